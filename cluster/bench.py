@@ -1,0 +1,311 @@
+"""`specd bench --local`: every figure a ratio measured side by side in one run.
+
+Configurations, run interleaved per prompt chunk so machine noise hits all alike:
+  hf                 Hugging Face `generate` (greedy), the plain baseline
+  hf-assisted:SPEC   `generate(assistant_model=...)` with the same draft (batch 1 only: HF's limit)
+  hf-prompt-lookup   `generate(prompt_lookup_num_tokens=...)`, HF's n-gram analogue (batch 1 only)
+  engine             this engine with γ = 0
+  engine+SPEC        this engine, speculative with drafter SPEC
+Also: the cost of a verify pass over T tokens relative to one token, a profile of
+one decode step, and how close a target pass comes to the memory-bandwidth floor.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from actors.build import build_engine, encode_prompt
+from actors.engine import Request, SamplingParams, SpecStats
+
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    """JSONL: one object per line with "prompt": str or "messages": [{"role", "content"}]."""
+    path = Path(path or DEFAULT_PROMPTS)
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        if ("prompt" in obj) == ("messages" in obj):
+            raise ValueError(f"{path}:{i + 1}: each line needs exactly one of 'prompt' or 'messages'")
+        out.append(obj)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def hf_truncated(model, k: int):
+    """A Hugging Face model made of the target's first k layers (for generate(assistant_model=...))."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = k
+    draft = type(model)(cfg).to(next(model.parameters()).dtype)
+    state = {n: t for n, t in model.state_dict().items()
+             if not n.startswith("model.layers.") or int(n.split(".")[2]) < k}
+    draft.load_state_dict(state, strict=False)
+    draft.tie_weights()
+    return draft.eval()
+
+
+def _hf_generate(model, tok, ids: list[list[int]], max_new: int, eos: list[int], **kw) -> list[list[int]]:
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+    width = max(map(len, ids))
+    x = torch.full((len(ids), width), pad, dtype=torch.long)
+    att = torch.zeros_like(x)
+    for b, row in enumerate(ids):  # left padding, as HF wants for batched generation
+        x[b, width - len(row):] = torch.tensor(row)
+        att[b, width - len(row):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=x, attention_mask=att, max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=pad, **kw)
+    res = []
+    for b in range(len(ids)):
+        gen = out[b, width:].tolist()
+        for i, t in enumerate(gen):
+            if t in eos:
+                gen = gen[:i + 1]
+                break
+        res.append(gen)
+    return res
+
+
+def _agreement(a: list[int], b: list[int]) -> tuple[int, int]:
+    """(length of the common prefix, length compared)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i, max(len(a), len(b))
+
+
+def verify_costs(runner, ctx: int = 200, sizes=(1, 2, 3, 5, 8), reps: int = 15) -> dict:
+    """Median time of one target pass over T tokens at context `ctx`, interleaved across T."""
+    cache = runner.new_cache(1, ctx + max(sizes) + 1)
+    g = torch.Generator().manual_seed(0)
+    runner.forward(cache, [0], torch.randint(0, runner.vocab_size, (1, ctx), generator=g))
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    feeds = {t: torch.randint(0, runner.vocab_size, (1, t), generator=g) for t in sizes}
+    for rep in range(reps + 2):
+        for t in sizes:
+            cache.lengths[0] = ctx
+            t0 = time.perf_counter()
+            runner.logits(runner.forward(cache, [0], feeds[t]))
+            if rep >= 2:
+                times[t].append(time.perf_counter() - t0)
+    med = {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+    return {"context": ctx, "ms": {t: med[t] * 1e3 for t in sizes},
+            "ratio_vs_1": {t: med[t] / med[sizes[0]] for t in sizes}}
+
+
+def step_profile(built, prompt_ids: list[int], steps: int = 8) -> dict:
+    """Profile γ=0 decode steps: where the time of one step goes, by op family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = built.engine
+    eng.add_request(Request("profile", prompt_ids, SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
+    eng.step()  # prefill
+    eng.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    while eng.has_work():
+        eng.step()
+    eng.finished.pop("profile", None)
+    families = {"matmul (linear, LM head)": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
+                "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::softmax"),
+                "KV cache write/read": ("aten::index_put", "aten::_index_put_impl_", "aten::index"),
+                "norms": ("aten::rms_norm", "aten::_fused_rms_norm")}
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    agg = {k: 0.0 for k in families}
+    for e in prof.key_averages():
+        for fam, prefixes in families.items():
+            if any(e.key.startswith(p) for p in prefixes):
+                agg[fam] += e.self_cpu_time_total
+                break
+    agg["other ops + python"] = total - sum(agg.values())
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    return {"ms_per_step": total / 1e3 / steps,
+            "share": {k: v / total for k, v in agg.items()},
+            "top_ops": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step":
+                         e.count / steps} for e in top]}
+
+
+def bandwidth_floor(model) -> dict:
+    """Bytes a decode pass must read (weights; embeddings once, as the LM head) / memory bandwidth."""
+    seen, nbytes = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            nbytes += p.numel() * p.element_size()
+    big = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MB, well beyond the caches
+    for _ in range(2):
+        big.sum()
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        t.append(time.perf_counter() - t0)
+    bw = big.numel() * 4 / min(t)
+    return {"weight_bytes": nbytes, "bandwidth_GBps": bw / 1e9, "floor_ms": nbytes / bw * 1e3}
+
+
+def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: int = 4, dtype: str = "bf16",
+              max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
+              hf_baselines: bool = True, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    prompts = load_prompts(prompts_path)[:limit]
+    built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes))
+    eng, target = built.engine, built.target
+    tok, hf = target.tokenizer, target.model
+    ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
+    eos = sorted(target.eos_token_ids)
+
+    assistants = {}
+    if hf_baselines:
+        for spec in drafts:
+            if spec.startswith("truncated:"):
+                assistants[spec] = hf_truncated(hf, int(spec.split(":")[1]))
+            elif not spec.startswith("ngram") and spec != "none":
+                from actors.models import load_model
+                assistants[spec] = load_model(spec, dtype).model
+
+    configs = []  # (batch_size, name, kind, spec)
+    for bs in batch_sizes:
+        if hf_baselines:
+            configs.append((bs, "hf", "hf", None))
+            if bs == 1:
+                configs += [(bs, f"hf-assisted:{s}", "hf-assist", s) for s in assistants]
+                if any(s.startswith("ngram") for s in drafts):
+                    configs.append((bs, "hf-prompt-lookup", "hf-lookup", None))
+        configs.append((bs, "engine", "engine", None))
+        configs += [(bs, f"engine+{s}", "engine", s) for s in drafts if s != "none"]
+
+    rows = {(bs, name): {"batch": bs, "config": name, "tokens": 0, "seconds": 0.0, "stats": SpecStats(),
+                         "agree": [0, 0], "exact": [0, 0]} for bs, name, _, _ in configs}
+    reference: dict[int, list[int]] = {}  # prompt index -> HF greedy output at batch 1
+    # Warm up each path once (first-call allocations), untimed.
+    for bs, name, kind, spec in configs:
+        if bs == 1:
+            _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants)
+    work = [(bs, list(range(i, min(i + bs, len(ids))))) for bs in batch_sizes for i in range(0, len(ids), bs)]
+    bar = tqdm(total=sum(len(idx) * sum(1 for c in configs if c[0] == bs) for bs, idx in work),
+               desc="bench", unit="req", disable=not progress)
+    for bs, idx in work:
+        for cbs, name, kind, spec in configs:
+            if cbs != bs:
+                continue
+            batch = [ids[i] for i in idx]
+            t0 = time.perf_counter()
+            outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants)
+            dt = time.perf_counter() - t0
+            r = rows[(bs, name)]
+            r["seconds"] += dt
+            r["tokens"] += sum(map(len, outs))
+            if stats is not None:
+                r["stats"].add(stats)
+            for i, out in zip(idx, outs):
+                if bs == 1 and name == "hf":
+                    reference[i] = out
+                elif i in reference:
+                    same, n = _agreement(out, reference[i])
+                    r["agree"][0] += same
+                    r["agree"][1] += n
+                    r["exact"][0] += out == reference[i]
+                    r["exact"][1] += 1
+            bar.update(len(idx))
+    bar.close()
+
+    results = []
+    for (bs, name), r in rows.items():
+        tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        st: SpecStats = r["stats"]
+        results.append({"batch": bs, "config": name, "tokens": r["tokens"], "seconds": r["seconds"],
+                        "tokens_per_s": tps, "acceptance_rate": st.acceptance_rate if st.draft_tokens else None,
+                        "mean_accepted_length": st.mean_accepted_length if st.drafts else None,
+                        "acceptance_per_position": st.per_position(),
+                        "agreement_with_hf": r["agree"][0] / r["agree"][1] if r["agree"][1] else None,
+                        "exact_match_with_hf": r["exact"][0] / r["exact"][1] if r["exact"][1] else None})
+    for res in results:
+        same = {x["config"]: x["tokens_per_s"] for x in results if x["batch"] == res["batch"]}
+        res["speedup_vs_hf"] = res["tokens_per_s"] / same["hf"] if same.get("hf") else None
+        res["speedup_vs_engine_gamma0"] = res["tokens_per_s"] / same["engine"] if same.get("engine") else None
+
+    prof = step_profile(built, ids[0])
+    report = {"model": model, "dtype": dtype, "gamma": gamma, "max_tokens": max_tokens,
+              "prompts": len(ids), "threads": torch.get_num_threads(), "results": results,
+              "verify_cost": verify_costs(eng.target), "decode_step_profile": prof,
+              "bandwidth": bandwidth_floor(hf)}
+    report["bandwidth"]["engine_step_ms"] = report["verify_cost"]["ms"][1]
+    report["bandwidth"]["engine_vs_floor"] = report["verify_cost"]["ms"][1] / report["bandwidth"]["floor_ms"]
+    return report
+
+
+def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants):
+    if kind == "hf":
+        return _hf_generate(hf, tok, batch, max_tokens, eos), None
+    if kind == "hf-assist":
+        return _hf_generate(hf, tok, batch, max_tokens, eos, assistant_model=assistants[spec]), None
+    if kind == "hf-lookup":
+        return _hf_generate(hf, tok, batch, max_tokens, eos, prompt_lookup_num_tokens=gamma), None
+    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens), spec, gamma if spec else 0)
+            for i, p in enumerate(batch)]
+    done = eng.run(reqs)
+    stats = SpecStats()
+    for r in reqs:
+        stats.add(done[r.request_id].stats)
+    return [done[r.request_id].output for r in reqs], stats
+
+
+def render(report: dict) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(record=True, width=140)
+    t = Table(title=f"specd bench --local  ({report['model']}, {report['dtype']}, γ={report['gamma']}, "
+                    f"{report['prompts']} prompts, ≤{report['max_tokens']} new tokens, greedy)")
+    for col in ("batch", "config", "tok/s", "× hf", "× engine γ=0", "α", "mean acc. len",
+                "α per position", "agree w/ hf"):
+        t.add_column(col, justify="right" if col not in ("config", "α per position") else "left")
+    f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    for r in sorted(report["results"], key=lambda r: (r["batch"], r["config"])):
+        t.add_row(str(r["batch"]), r["config"], f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
+                  f(r["speedup_vs_engine_gamma0"], ".2f"), f(r["acceptance_rate"], ".3f"),
+                  f(r["mean_accepted_length"], ".2f"),
+                  " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "—",
+                  f(r["agreement_with_hf"], ".3f"))
+    con.print(t)
+    vc = report["verify_cost"]
+    con.print("verify pass over T tokens vs 1 token (context %d): " % vc["context"]
+              + ", ".join(f"T={k}: {v:.2f}× ({vc['ms'][k]:.1f} ms)" for k, v in vc["ratio_vs_1"].items()))
+    bw = report["bandwidth"]
+    con.print(f"bandwidth floor: {bw['weight_bytes'] / 1e6:.0f} MB of weights at {bw['bandwidth_GBps']:.1f} GB/s "
+              f"= {bw['floor_ms']:.1f} ms; engine single-token pass {bw['engine_step_ms']:.1f} ms "
+              f"({bw['engine_vs_floor']:.2f}× the floor)")
+    pr = report["decode_step_profile"]
+    con.print(f"one γ=0 decode step ({pr['ms_per_step']:.1f} ms under the profiler): "
+              + ", ".join(f"{k} {v:.0%}" for k, v in pr["share"].items()))
+    return con.export_text()
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in report["results"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, bs in zip(axes[0], batches):
+        rs = sorted((r for r in report["results"] if r["batch"] == bs), key=lambda r: r["config"])
+        ax.barh([r["config"] for r in rs], [r["tokens_per_s"] for r in rs],
+                color=["#999" if r["config"].startswith("hf") else "#2a7" for r in rs])
+        ax.set_title(f"batch {bs}: tokens/s (greedy)")
+        ax.set_xlabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,191 @@
+"""`specd`: the command line.
+
+  specd setup                       dequantise and cache the embedded model (once)
+  specd generate --local ...        decode in-process (no Ray), streaming text or --json
+  specd bench --local ...           side-by-side benchmark (see cluster/bench.py)
+  specd demo                        stream a few answers, then tokens/s, α and the speedup over γ=0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specd", description="speculative-decoding serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("setup", help="cache the embedded model as safetensors")
+
+    g = sub.add_parser("generate", help="generate text")
+    g.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--messages-json", help='chat messages, e.g. \'[{"role":"user","content":"hi"}]\'')
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--draft", default="none", help="none | ngram[:N] | truncated:K | PATH")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (ignored with --draft none)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    _add_model_args(g)
+
+    b = sub.add_parser("bench", help="benchmark speculative vs plain decoding and Hugging Face")
+    b.add_argument("--local", action="store_true", help="benchmark the in-process engine")
+    b.add_argument("--json", dest="json_path", default="out/bench.json")
+    b.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    b.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'messages' per line")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--draft", action="append", default=None,
+                   help="drafter to compare (repeatable); default: ngram and truncated:4")
+    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--batch-sizes", default="1,8")
+    b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    _add_model_args(b)
+
+    d = sub.add_parser("demo", help="stream a few answers and print tokens/s, α and the speedup")
+    d.add_argument("--draft", default="ngram")
+    d.add_argument("--gamma", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=80)
+    _add_model_args(d)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo}[args.cmd](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specd: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _setup(args) -> int:
+    from actors.models import ensure_embedded
+
+    print(ensure_embedded())
+    return 0
+
+
+def _generate(args) -> int:
+    if not args.local:
+        raise ValueError("only --local is available so far (the cluster client comes with `specd serve`)")
+    from actors.build import build_engine, encode_prompt
+    from actors.engine import Request, SamplingParams
+
+    messages = json.loads(args.messages_json) if args.messages_json else None
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len)
+    ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
+    spec = None if args.draft == "none" else args.draft
+    req = Request(uuid.uuid4().hex, ids,
+                  SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop)),
+                  draft=spec, gamma=args.gamma if spec else 0)
+    eng = built.engine
+    eng.add_request(req)
+    t0 = time.perf_counter()
+    while eng.has_work():
+        for out in eng.step():
+            if not args.json:
+                print(out.text, end="", flush=True)
+    dt = time.perf_counter() - t0
+    seq = eng.finished.pop(req.request_id)
+    stats = seq.stats.to_dict() | {"tokens": len(seq.output), "seconds": dt,
+                                   "tokens_per_s": len(seq.output) / dt, "finish_reason": seq.finish_reason}
+    if args.json:
+        print(json.dumps({"token_ids": seq.output, "text": seq.text, "stats": stats}))
+    else:
+        print(f"\n[{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, "
+              f"α={stats['acceptance_rate']:.2f}, mean accepted length {stats['mean_accepted_length']:.2f}]",
+              file=sys.stderr)
+    return 0
+
+
+def _bench(args) -> int:
+    if not args.local:
+        raise ValueError("only --local is available so far (cluster benchmarks come with `specd serve`)")
+    from pathlib import Path
+
+    from cluster import bench
+
+    drafts = args.draft or ["ngram", "truncated:4"]
+    report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
+                             tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
+                             hf_baselines=not args.no_hf)
+    text = bench.render(report)
+    Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_path).write_text(json.dumps(report, indent=2))
+    Path(args.json_path).with_suffix(".txt").write_text(text)
+    if args.plot:
+        bench.plot(report, args.plot)
+    print(f"wrote {args.json_path}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+DEMO_QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the squares of a list of numbers.",
+    "Give me two tips for staying focused while studying.",
+]
+
+
+def _demo(args) -> int:
+    from actors.build import build_engine, encode_prompt
+    from actors.engine import Request, SamplingParams, SpecStats
+
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len)
+    eng, tok = built.engine, built.target.tokenizer
+    ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
+    spec = None if args.draft == "none" else args.draft
+
+    gamma = args.gamma if spec else 0
+
+    def one(i: int, draft, g: int, show: bool):
+        req = Request(f"demo-{i}-{g}", ids[i], SamplingParams(max_tokens=args.max_tokens), draft, g)
+        eng.add_request(req)
+        t0 = time.perf_counter()
+        while eng.has_work():
+            for out in eng.step():
+                if show:
+                    print(out.text, end="", flush=True)
+        seq = eng.finished.pop(req.request_id)
+        return len(seq.output), time.perf_counter() - t0, seq.stats
+
+    print(f"[specd demo] target SmolLM2-135M-Instruct ({args.dtype}), draft {args.draft}, γ={gamma}")
+    for i, q in enumerate(DEMO_QUESTIONS):
+        print(f"\n>>> {q}\n", flush=True)
+        one(i, spec, gamma, show=True)  # streamed for reading; also warms up
+        print()
+    print("\n[specd demo] timing the same questions with and without speculation, interleaved ...", flush=True)
+    tot = {"spec": [0, 0.0], "base": [0, 0.0]}
+    stats = SpecStats()
+    for i in range(len(DEMO_QUESTIONS)):
+        for name, draft, g in (("base", None, 0), ("spec", spec, gamma)):
+            n, dt, st = one(i, draft, g, show=False)
+            tot[name][0] += n
+            tot[name][1] += dt
+            if name == "spec":
+                stats.add(st)
+    spec_tps, base_tps = (tot[k][0] / tot[k][1] for k in ("spec", "base"))
+    print(f"\nspeculative ({args.draft}, γ={gamma}): {spec_tps:.1f} tok/s | γ=0: {base_tps:.1f} tok/s | "
+          f"speedup {spec_tps / base_tps:.2f}×")
+    print(f"acceptance α={stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}, "
+          f"per position: {' '.join(f'{a:.2f}' for a in stats.per_position())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
