@@ -29,5 +29,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/specd bench --local --json out/bench.json --plot out/bench.png
 
+protos: $(STAMP)
+	$(BIN)/python protos/regen.py
+
 clean:
 	rm -rf $(VENV) out

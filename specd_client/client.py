@@ -1,0 +1,578 @@
+"""Sync and asyncio clients of the specd.v1.SpecDecode gRPC service.
+
+    with SpecdClient("localhost:9000") as c:
+        r = c.generate("Once upon a time", max_tokens=64, draft="ngram")
+        print(r.text, r.finish_reason, r.spec_stats["mean_accepted_length"])
+        for chunk in c.stream(messages=[{"role": "user", "content": "Hi"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+    async with AsyncSpecdClient("localhost:9000") as c:
+        r = await c.generate("Once upon a time", max_tokens=64)
+        async for chunk in c.stream("Once upon a time"):
+            ...
+
+Transport behaviour, identical for both clients:
+  * Routing: every call carries ("application", app_name) metadata, which Ray
+    Serve's gRPC proxy routes by (app_name defaults to "specd"; None sends no
+    application key, for servers that are not behind Ray Serve).
+  * Deadlines: `timeout` (seconds; per call, else the client's default; None =
+    no deadline) is ONE deadline covering the call and all its retries; each
+    attempt gets the remaining time as its gRPC deadline.
+  * Retries: only on UNAVAILABLE, up to `retries` re-attempts after the first
+    (so at most retries + 1 attempts), sleeping backoff * 2**attempt seconds
+    (capped at max_backoff, times a random factor in [0.5, 1] when jitter) in
+    between. Never on INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or
+    any other code. A stream is retried only if it failed before its first chunk
+    arrived, so delivered tokens are never duplicated.
+  * Errors: every failed RPC raises a typed `specd_client.errors.SpecdError`
+    subclass carrying the status code and the server's details.
+
+Imports only grpc, protobuf, the stdlib and the generated `protos` stubs.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+
+import grpc
+import grpc.aio
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from protos import specd_pb2, specd_pb2_grpc
+
+from . import errors
+from .errors import SpecdError
+
+__all__ = ["SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats",
+           "ModelsInfo", "DraftInfo", "HEALTH_SERVICE"]
+
+#: Service name the server registers with grpc.health.v1 (the empty name "" = whole server).
+HEALTH_SERVICE = "specd.v1.SpecDecode"
+
+_FINISH = {
+    specd_pb2.FINISH_REASON_UNSPECIFIED: None,
+    specd_pb2.FINISH_REASON_LENGTH: "length",
+    specd_pb2.FINISH_REASON_STOP: "stop",
+    specd_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<client default>"
+
+
+_DEFAULT: Any = _Default()  # "use the client's default timeout" (None means no deadline)
+
+
+# ------------------------------------------------------------------ results
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Result:
+    """A finished generation (unary Generate)."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "length" | "stop" | "abort"
+    usage: Usage
+    # Keys = specd.v1.SpecStats field names: drafts, draft_tokens, accepted_tokens,
+    # acceptance_rate, mean_accepted_length, acceptance_per_position, target_passes,
+    # draft_seconds, verify_seconds. None if the server sent none.
+    spec_stats: dict[str, Any] | None
+    coalesced: bool = False
+
+
+@dataclass
+class Chunk:
+    """One streamed delta. finish_reason, usage and spec_stats are set on the last chunk only."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    spec_stats: dict[str, Any] | None = None
+    coalesced: bool = False
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ReplicaStats:
+    replica_id: str
+    role: str  # "verifier" | "draft"
+    active_sequences: int
+    kv_slots_in_use: int
+    kv_slots_total: int
+
+
+@dataclass
+class Stats:
+    requests_total: int
+    requests_active: int
+    requests_queued: int
+    coalesced_total: int
+    rejected_total: int
+    tokens_total: int
+    spec_stats: dict[str, Any] | None
+    replicas: list[ReplicaStats] = field(default_factory=list)
+    uptime_seconds: float = 0.0
+
+
+@dataclass
+class DraftInfo:
+    name: str
+    kind: str
+    default: bool
+    default_gamma: int
+
+
+@dataclass
+class ModelsInfo:
+    target: str
+    drafts: list[DraftInfo]
+    max_gamma: int
+    max_tokens: int
+    context_length: int
+
+    @property
+    def default_draft(self) -> str | None:
+        return next((d.name for d in self.drafts if d.default), None)
+
+
+# -------------------------------------------------------- proto conversions
+
+def _spec_stats(msg: specd_pb2.SpecStats) -> dict[str, Any]:
+    return {f.name: (list(getattr(msg, f.name)) if _is_repeated(f) else getattr(msg, f.name))
+            for f in msg.DESCRIPTOR.fields}
+
+
+def _is_repeated(f) -> bool:
+    is_rep = getattr(f, "is_repeated", None)  # protobuf >= 5.x; `label` is deprecated
+    return bool(is_rep) if is_rep is not None else f.label == f.LABEL_REPEATED
+
+
+def _usage(msg: specd_pb2.Usage) -> Usage:
+    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens)
+
+
+def _result(r: specd_pb2.GenerateResponse) -> Result:
+    return Result(request_id=r.request_id, text=r.text, token_ids=list(r.token_ids),
+                  finish_reason=_FINISH.get(r.finish_reason), usage=_usage(r.usage),
+                  spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
+                  coalesced=r.coalesced)
+
+
+def _chunk(r: specd_pb2.GenerateResponse) -> Chunk:
+    return Chunk(request_id=r.request_id, text=r.text, token_ids=list(r.token_ids),
+                 finish_reason=_FINISH.get(r.finish_reason),
+                 usage=_usage(r.usage) if r.HasField("usage") else None,
+                 spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
+                 coalesced=r.coalesced)
+
+
+def _stats(r: specd_pb2.StatsResponse) -> Stats:
+    return Stats(requests_total=r.requests_total, requests_active=r.requests_active,
+                 requests_queued=r.requests_queued, coalesced_total=r.coalesced_total,
+                 rejected_total=r.rejected_total, tokens_total=r.tokens_total,
+                 spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
+                 replicas=[ReplicaStats(x.replica_id, x.role, x.active_sequences, x.kv_slots_in_use,
+                                        x.kv_slots_total) for x in r.replicas],
+                 uptime_seconds=r.uptime_seconds)
+
+
+def _models(r: specd_pb2.ListModelsResponse) -> ModelsInfo:
+    return ModelsInfo(target=r.target,
+                      drafts=[DraftInfo(d.name, d.kind, d.default, d.default_gamma) for d in r.drafts],
+                      max_gamma=r.max_gamma, max_tokens=r.max_tokens, context_length=r.context_length)
+
+
+def _chat_message(m: Any) -> specd_pb2.ChatMessage:
+    if isinstance(m, specd_pb2.ChatMessage):
+        return m
+    if isinstance(m, Mapping):
+        return specd_pb2.ChatMessage(role=m["role"], content=m["content"])
+    if isinstance(m, (tuple, list)) and len(m) == 2:
+        return specd_pb2.ChatMessage(role=m[0], content=m[1])
+    raise TypeError(f"a chat message must be a {{'role', 'content'}} mapping, a (role, content) pair "
+                    f"or a specd_pb2.ChatMessage, got {m!r}")
+
+
+def build_request(prompt: str | None = None, messages: Iterable[Any] | None = None, *,
+                  max_tokens: int | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                  stop: str | Sequence[str] | None = None, draft: str | None = None,
+                  gamma: int | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments. None = unset = the server's default.
+
+    Exactly one of `prompt` (raw text) and `messages` (chat turns: mappings with
+    role/content, (role, content) pairs or ChatMessage protos) is required.
+    Values are not range-checked here: the server validates and answers
+    INVALID_ARGUMENT naming the field and its limit.
+    """
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt= or messages=")
+    req = specd_pb2.GenerateRequest(request_id=request_id or "")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        req.prompt = prompt
+    else:
+        if isinstance(messages, (str, bytes)):
+            raise TypeError("messages must be a sequence of chat messages, not a string (use prompt=)")
+        req.messages.SetInParent()  # selects the oneof even for an empty list (server rejects it)
+        req.messages.messages.extend(_chat_message(m) for m in messages)
+    s = req.sampling
+    s.max_tokens = max_tokens or 0
+    if temperature is not None:
+        s.temperature = temperature
+    if top_p is not None:
+        s.top_p = top_p
+    s.top_k = top_k or 0
+    if seed is not None:
+        s.seed = seed
+    if stop is not None:
+        s.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    req.speculation.draft = draft or ""
+    if gamma is not None:
+        req.speculation.gamma = gamma
+    return req
+
+
+# ----------------------------------------------- grpc.health.v1 (no extra dep)
+
+def _health_messages():
+    """HealthCheckRequest/Response classes of grpc.health.v1, built in a private descriptor pool.
+
+    Avoids a dependency on grpcio-health-checking and cannot clash with its
+    registration of grpc/health/v1/health.proto in the default pool.
+    """
+    f = descriptor_pb2.FileDescriptorProto(name="specd_client/grpc_health_v1.proto",
+                                           package="grpc.health.v1", syntax="proto3")
+    fd = descriptor_pb2.FieldDescriptorProto
+    req = f.message_type.add(name="HealthCheckRequest")
+    req.field.add(name="service", number=1, type=fd.TYPE_STRING, label=fd.LABEL_OPTIONAL)
+    resp = f.message_type.add(name="HealthCheckResponse")
+    enum = resp.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(["UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"]):
+        enum.value.add(name=name, number=number)
+    resp.field.add(name="status", number=1, type=fd.TYPE_ENUM, label=fd.LABEL_OPTIONAL,
+                   type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    get = message_factory.GetMessageClass
+    return (get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")),
+            get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse")))
+
+
+_HealthCheckRequest, _HealthCheckResponse = _health_messages()
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def _health_status(resp) -> str:
+    value = resp.DESCRIPTOR.fields_by_name["status"].enum_type.values_by_number.get(resp.status)
+    return value.name if value is not None else "UNKNOWN"
+
+
+# ------------------------------------------------------------- shared core
+
+class _Base:
+    def __init__(self, address: str, *, timeout: float | None = None, retries: int = 3,
+                 backoff: float = 0.1, max_backoff: float = 2.0, jitter: bool = True,
+                 app_name: str | None = "specd", metadata: Sequence[tuple[str, str]] = (),
+                 credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = ()):
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if backoff < 0:
+            raise ValueError(f"backoff must be >= 0, got {backoff}")
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.jitter = jitter
+        self.app_name = app_name
+        md = [("application", app_name)] if app_name is not None else []
+        md += [(str(k).lower(), v) for k, v in metadata]
+        self.metadata: tuple[tuple[str, str], ...] = tuple(md)
+        self._credentials = credentials
+        self._options = list(options)
+
+    def _deadline(self, timeout: Any) -> float | None:
+        t = self.timeout if timeout is _DEFAULT else timeout
+        return None if t is None else time.monotonic() + t
+
+    def _remaining(self, deadline: float | None, method: str) -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise errors.DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          "deadline passed before the call could be (re)tried", method=method)
+        return left
+
+    def _sleep_for(self, attempt: int, err: grpc.RpcError, deadline: float | None, method: str) -> float:
+        """Backoff before re-attempt `attempt + 1`; raises the typed error if no retry is allowed."""
+        if err.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
+            raise errors.from_rpc_error(err, method) from err
+        delay = min(self.backoff * (2 ** attempt), self.max_backoff)
+        if self.jitter:
+            delay *= random.uniform(0.5, 1.0)
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            raise errors.from_rpc_error(err, method) from err  # no time left for another attempt
+        return delay
+
+
+# -------------------------------------------------------------- sync client
+
+class SpecdClient(_Base):
+    """Blocking client. Thread-safe (one gRPC channel, shared).
+
+    address: "host:port" of the Ray Serve gRPC proxy (or of a direct server).
+    timeout: default per-call deadline in seconds (None = none); overridable per call.
+    retries / backoff / max_backoff / jitter: UNAVAILABLE retry policy (see module doc).
+    app_name: Ray Serve application to route to, sent as ("application", app_name)
+        metadata on every call; None sends no application key (direct servers).
+    metadata: extra (key, value) metadata sent on every call.
+    credentials: grpc.ssl_channel_credentials(...) for TLS; None = plaintext.
+    options: extra grpc channel options.
+    """
+
+    def __init__(self, address: str, **kwargs: Any):
+        super().__init__(address, **kwargs)
+        if self._credentials is not None:
+            self._channel = grpc.secure_channel(address, self._credentials, options=self._options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=self._options)
+        self._stub = specd_pb2_grpc.SpecDecodeStub(self._channel)
+        self._health = self._channel.unary_unary(
+            _HEALTH_CHECK, request_serializer=_HealthCheckRequest.SerializeToString,
+            response_deserializer=_HealthCheckResponse.FromString)
+
+    def _unary(self, rpc, request, timeout: Any, method: str):
+        deadline = self._deadline(timeout)
+        attempt = 0
+        while True:
+            try:
+                return rpc(request, timeout=self._remaining(deadline, method), metadata=self.metadata)
+            except grpc.RpcError as e:
+                time.sleep(self._sleep_for(attempt, e, deadline, method))
+                attempt += 1
+
+    def generate(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
+                 max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, draft: str | None = None,
+                 gamma: int | None = None, request_id: str | None = None,
+                 timeout: float | None = _DEFAULT) -> Result:
+        """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
+        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, request_id=request_id)
+        return _result(self._unary(self._stub.Generate, req, timeout, "Generate"))
+
+    def stream(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
+               max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+               stop: str | Sequence[str] | None = None, draft: str | None = None,
+               gamma: int | None = None, request_id: str | None = None,
+               timeout: float | None = _DEFAULT) -> Iterator[Chunk]:
+        """Stream a completion as Chunk deltas (GenerateStream).
+
+        The request is validated (prompt xor messages) immediately; the RPC starts
+        on the first next(). Closing the iterator early (break / .close()) cancels
+        the RPC, which aborts the generation server-side.
+        """
+        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, request_id=request_id)
+        return self._stream(req, timeout)
+
+    def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> Iterator[Chunk]:
+        method = "GenerateStream"
+        deadline = self._deadline(timeout)
+        attempt = 0
+        while True:
+            call = self._stub.GenerateStream(req, timeout=self._remaining(deadline, method),
+                                             metadata=self.metadata)
+            received = False
+            try:
+                for resp in call:
+                    received = True
+                    yield _chunk(resp)
+                return
+            except grpc.RpcError as e:
+                if received:  # never retry once tokens were delivered
+                    raise errors.from_rpc_error(e, method) from e
+                time.sleep(self._sleep_for(attempt, e, deadline, method))
+                attempt += 1
+            finally:
+                call.cancel()  # no-op when the call already finished
+
+    def health(self, service: str = "", *, timeout: float | None = _DEFAULT) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".
+
+        service "" = the whole server, HEALTH_SERVICE = the SpecDecode service.
+        Raises a SpecdError if the check itself fails (e.g. NotFound for an
+        unregistered service name, Unavailable when unreachable after retries).
+        """
+        resp = self._unary(self._health, _HealthCheckRequest(service=service), timeout, "Health.Check")
+        return _health_status(resp)
+
+    def is_healthy(self, service: str = "", *, timeout: float | None = _DEFAULT) -> bool:
+        """True iff health(service) is SERVING; False on any error."""
+        try:
+            return self.health(service, timeout=timeout) == "SERVING"
+        except SpecdError:
+            return False
+
+    def stats(self, *, timeout: float | None = _DEFAULT) -> Stats:
+        """Server-wide counters, aggregate speculation stats and per-replica load (GetStats)."""
+        return _stats(self._unary(self._stub.GetStats, specd_pb2.StatsRequest(), timeout, "GetStats"))
+
+    def list_models(self, *, timeout: float | None = _DEFAULT) -> ModelsInfo:
+        """The target model, the available drafts and the server's limits (ListModels)."""
+        return _models(self._unary(self._stub.ListModels, specd_pb2.ListModelsRequest(), timeout,
+                                   "ListModels"))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "SpecdClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------ async client
+
+class AsyncSpecdClient(_Base):
+    """asyncio client (grpc.aio) with SpecdClient's surface; every method is a coroutine
+    except stream(), which returns an async iterator.
+
+    The channel is created lazily inside the running event loop on first use, so the
+    client may be constructed anywhere; use it from one event loop only.
+    """
+
+    def __init__(self, address: str, **kwargs: Any):
+        super().__init__(address, **kwargs)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: specd_pb2_grpc.SpecDecodeStub | None = None
+        self._health = None
+
+    def _ensure(self) -> specd_pb2_grpc.SpecDecodeStub:
+        if self._channel is None:
+            if self._credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._stub = specd_pb2_grpc.SpecDecodeStub(self._channel)
+            self._health = self._channel.unary_unary(
+                _HEALTH_CHECK, request_serializer=_HealthCheckRequest.SerializeToString,
+                response_deserializer=_HealthCheckResponse.FromString)
+        return self._stub
+
+    async def _unary(self, get_rpc, request, timeout: Any, method: str):
+        self._ensure()
+        rpc = get_rpc()
+        deadline = self._deadline(timeout)
+        attempt = 0
+        while True:
+            try:
+                return await rpc(request, timeout=self._remaining(deadline, method), metadata=self.metadata)
+            except grpc.RpcError as e:
+                await asyncio.sleep(self._sleep_for(attempt, e, deadline, method))
+                attempt += 1
+
+    async def generate(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
+                       max_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                       stop: str | Sequence[str] | None = None, draft: str | None = None,
+                       gamma: int | None = None, request_id: str | None = None,
+                       timeout: float | None = _DEFAULT) -> Result:
+        """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
+        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, request_id=request_id)
+        return _result(await self._unary(lambda: self._stub.Generate, req, timeout, "Generate"))
+
+    def stream(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
+               max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+               stop: str | Sequence[str] | None = None, draft: str | None = None,
+               gamma: int | None = None, request_id: str | None = None,
+               timeout: float | None = _DEFAULT) -> AsyncIterator[Chunk]:
+        """Stream a completion as Chunk deltas: `async for chunk in client.stream(...)`.
+
+        prompt xor messages is checked immediately; the RPC starts on the first
+        iteration. Closing the iterator early (`await it.aclose()`, or
+        contextlib.aclosing) cancels the RPC, aborting the generation server-side.
+        """
+        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, request_id=request_id)
+        return self._stream(req, timeout)
+
+    async def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> AsyncIterator[Chunk]:
+        method = "GenerateStream"
+        stub = self._ensure()
+        deadline = self._deadline(timeout)
+        attempt = 0
+        while True:
+            call = stub.GenerateStream(req, timeout=self._remaining(deadline, method), metadata=self.metadata)
+            received = False
+            try:
+                async for resp in call:
+                    received = True
+                    yield _chunk(resp)
+                return
+            except grpc.RpcError as e:
+                if received:  # never retry once tokens were delivered
+                    raise errors.from_rpc_error(e, method) from e
+                delay = self._sleep_for(attempt, e, deadline, method)
+            finally:
+                call.cancel()  # no-op when the call already finished
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def health(self, service: str = "", *, timeout: float | None = _DEFAULT) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
+        resp = await self._unary(lambda: self._health, _HealthCheckRequest(service=service), timeout,
+                                 "Health.Check")
+        return _health_status(resp)
+
+    async def is_healthy(self, service: str = "", *, timeout: float | None = _DEFAULT) -> bool:
+        """True iff health(service) is SERVING; False on any error."""
+        try:
+            return await self.health(service, timeout=timeout) == "SERVING"
+        except SpecdError:
+            return False
+
+    async def stats(self, *, timeout: float | None = _DEFAULT) -> Stats:
+        """Server-wide counters, aggregate speculation stats and per-replica load (GetStats)."""
+        return _stats(await self._unary(lambda: self._stub.GetStats, specd_pb2.StatsRequest(), timeout,
+                                        "GetStats"))
+
+    async def list_models(self, *, timeout: float | None = _DEFAULT) -> ModelsInfo:
+        """The target model, the available drafts and the server's limits (ListModels)."""
+        return _models(await self._unary(lambda: self._stub.ListModels, specd_pb2.ListModelsRequest(),
+                                         timeout, "ListModels"))
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = self._health = None
+
+    async def __aenter__(self) -> "AsyncSpecdClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
