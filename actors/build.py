@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from .llama import LlamaRunner
 from .models import LoadedModel, check_draft_compatible, load_model
@@ -51,7 +52,7 @@ class Built:
 def build_engine(model: str = "smollm2", drafts: list[str] = (), dtype: str = "bf16",
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu") -> Built:
     target = load_model(model, dtype, device)
-    max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)))
+    max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     drafters = {}
     for spec in drafts:
         d = make_drafter(spec, target, max_batch, max_len)

@@ -24,11 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import Drafter, DraftSeq
+from .drafters.base import KV_HEADROOM, MAX_GAMMA, Drafter, DraftSeq
 from .llama import LlamaRunner
 from .sampling import process_logits, sample, verify_greedy, verify_sampled
-
-MAX_GAMMA = 16
 
 
 @dataclass
@@ -120,6 +118,7 @@ class _Seq:
     seq_id: int
     tokens: list[int]  # prompt + committed output
     num_prompt: int
+    seed: int  # the request's seed, or a random one; the drafter derives its generator from it
     gen: torch.Generator
     draft_keep: int = 0  # tokens of the drafter's view that are still valid
     draft_sent: int = 0  # committed tokens the drafter has been told about
@@ -144,8 +143,11 @@ class SpecEngine:
         self.drafters = dict(drafters or {})
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids or ())
+        if max_len + KV_HEADROOM > target.max_position:
+            raise ValueError(f"max_len {max_len} + {KV_HEADROOM} positions of headroom exceeds the model's "
+                             f"max_position_embeddings {target.max_position}")
         self.max_batch, self.max_len = max_batch, max_len
-        self.cache = target.new_cache(max_batch, max_len)
+        self.cache = target.new_cache(max_batch, max_len + KV_HEADROOM)
         self.waiting: list[Request] = []
         self.active: dict[str, _Seq] = {}
         self.free_slots = list(range(max_batch))
@@ -160,9 +162,9 @@ class SpecEngine:
         if any(not 0 <= t < self.target.vocab_size for t in req.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         req.params.validate(self.max_len - 1)
-        if len(req.prompt_ids) + req.params.max_tokens + req.gamma + 1 > self.max_len:
+        if len(req.prompt_ids) + req.params.max_tokens > self.max_len:
             raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
-                             f"+ gamma must fit the context of {self.max_len} tokens")
+                             f"must fit the context of {self.max_len} tokens")
         if not 0 <= req.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got {req.gamma}")
         if req.gamma > 0 and req.draft is None:
@@ -210,9 +212,8 @@ class SpecEngine:
             req = self.waiting.pop(0)
             seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(7), "little")
             seq = _Seq(req=req, slot=self.free_slots.pop(0), seq_id=self._next_seq, tokens=list(req.prompt_ids),
-                       num_prompt=len(req.prompt_ids), gen=torch.Generator().manual_seed(seed),
+                       num_prompt=len(req.prompt_ids), seed=seed, gen=torch.Generator().manual_seed(seed),
                        t_admit=time.perf_counter())
-            req.params.seed = seed  # the drafter derives its own generator from it
             self._next_seq += 1
             self.active[req.request_id] = seq
             new.append(seq)
@@ -258,7 +259,7 @@ class SpecEngine:
         draft_probs: dict[int, torch.Tensor] = {}  # row -> [k, V]
         groups: dict[str, list[int]] = {}
         for b, s in enumerate(seqs):
-            if s.req.draft is not None and s.req.gamma > 0:
+            if s.req.draft is not None and min(s.req.gamma, self._room(s)) > 0:
                 groups.setdefault(s.req.draft, []).append(b)
         for name, rows in groups.items():
             drafter = self.drafters[name]
@@ -268,7 +269,7 @@ class SpecEngine:
                 p = s.req.params
                 dseqs.append(DraftSeq(seq_id=s.seq_id, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:],
                                       gamma=min(s.req.gamma, self._room(s)), temperature=p.temperature,
-                                      top_k=p.top_k, top_p=p.top_p, seed=p.seed))
+                                      top_k=p.top_k, top_p=p.top_p, seed=s.seed))
             prop = drafter.propose(dseqs)
             for i, b in enumerate(rows):
                 k = prop.num_draft[i]
@@ -309,11 +310,11 @@ class SpecEngine:
                         q[i, torch.arange(len(drafts[b])), draft_t[b, :len(drafts[b])]] = 1.0
             else:
                 q = None
-            # Verify each request at its own γ, so its random draws (γ uniforms + one sample per
-            # step) do not depend on what else is in the batch: a seed reproduces the output.
+            # Verify each row at its own draft length, so its random draws (k uniforms + one
+            # sample per step) do not depend on the rest of the batch: a seed reproduces the output.
             by_gamma: dict[int, list[int]] = {}
-            for i, s in enumerate(sub):
-                by_gamma.setdefault(min(s.req.gamma, G), []).append(i)
+            for i, b in enumerate(rows):
+                by_gamma.setdefault(len(drafts[b]), []).append(i)
             for g, idx in by_gamma.items():
                 rb = [rows[i] for i in idx]
                 s_acc, s_out = verify_sampled(p_target[idx, :g + 1], None if q is None else q[idx, :g],
@@ -395,8 +396,13 @@ class SpecEngine:
         full = self._decode(s)
         if s.stop_at is not None:
             full = full[:s.stop_at]
-        elif not final and full.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        elif not final:
+            if full.endswith("\ufffd"):
+                return ""  # an incomplete UTF-8 sequence: wait for the next token
+            # Hold back a tail that may be the start of a stop string: it must never be streamed.
+            hold = max((k for stop in s.req.params.stop for k in range(1, len(stop))
+                        if full.endswith(stop[:k])), default=0)
+            full = full[:len(full) - hold]
         delta = full[len(s.text):]
         s.text = full
         return delta

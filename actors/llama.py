@@ -71,7 +71,8 @@ class LlamaRunner:
     """A llama-family decoder (optionally only its first `num_layers` layers).
 
     A truncated runner built with `num_layers=K` shares the full model's weight
-    tensors (no copy): that is the self-draft.
+    tensors, fused ones included (see `_fused`): that is the self-draft, and it
+    costs only its KV cache.
     """
 
     def __init__(self, hf_model, num_layers: int | None = None):
@@ -122,16 +123,14 @@ class LlamaRunner:
 
     def _fuse(self, layer) -> LayerWeights:
         at, mlp = layer.self_attn, layer.mlp
-        wqkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight], 0).detach().contiguous()
-        bqkv = None
-        if at.q_proj.bias is not None:
-            bqkv = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias], 0).detach().contiguous()
+        has_bias = at.q_proj.bias is not None
         return LayerWeights(
             attn_norm=layer.input_layernorm.weight.detach(),
-            wqkv=wqkv, bqkv=bqkv,
+            wqkv=_fused(at, "weight", [at.q_proj, at.k_proj, at.v_proj]),
+            bqkv=_fused(at, "bias", [at.q_proj, at.k_proj, at.v_proj]) if has_bias else None,
             wo=at.o_proj.weight.detach(),
             mlp_norm=layer.post_attention_layernorm.weight.detach(),
-            w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).detach().contiguous(),
+            w_gate_up=_fused(mlp, "weight", [mlp.gate_proj, mlp.up_proj]),
             w_down=mlp.down_proj.weight.detach(),
         )
 
@@ -209,6 +208,27 @@ class LlamaRunner:
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def _fused(owner: torch.nn.Module, attr: str, linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One contiguous tensor holding the linears' `attr` (weight or bias) stacked on dim 0.
+
+    The HF parameters are re-pointed at views of it, so the HF model keeps working and no
+    weight exists twice; the result is cached on `owner`, so a truncated runner built on
+    the same model (the self-draft) shares it too. (Saving such a model with safetensors
+    needs a clone first: its parameters now share storage.)
+    """
+    key = f"_specd_fused_{attr}"
+    fused = owner.__dict__.get(key)
+    if fused is None:
+        fused = torch.cat([getattr(m, attr).detach() for m in linears], 0).contiguous()
+        off = 0
+        for m in linears:
+            n = getattr(m, attr).shape[0]
+            getattr(m, attr).data = fused[off:off + n]
+            off += n
+        owner.__dict__[key] = fused  # a plain attribute: not a parameter or buffer
+    return fused
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

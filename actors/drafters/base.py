@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
+# Positions every KV cache keeps beyond its context limit: a batched pass pads each row to
+# the batch's widest row (at most MAX_GAMMA + 1 tokens), and padding must never overflow.
+KV_HEADROOM = MAX_GAMMA + 1
+
 
 @dataclass
 class DraftSeq:

@@ -17,13 +17,13 @@ import torch
 
 from ..llama import LlamaRunner
 from ..sampling import process_logits, sample
-from .base import Drafter, DraftSeq, Proposal, apply_view
+from .base import KV_HEADROOM, Drafter, DraftSeq, Proposal, apply_view
 
 
 class ModelDrafter(Drafter):
     def __init__(self, runner: LlamaRunner, name: str, max_batch: int = 8, max_len: int = 2048):
         self.runner, self.name = runner, name
-        self.cache = runner.new_cache(max_batch, max_len)
+        self.cache = runner.new_cache(max_batch, max_len + KV_HEADROOM)
         self.slots: dict[int, int] = {}
         self.views: dict[int, list[int]] = {}
         self.gens: dict[int, torch.Generator] = {}
@@ -56,15 +56,9 @@ class ModelDrafter(Drafter):
             self.cache.truncate(slot, min(self.cache.lengths[slot], s.keep))
             slots.append(slot)
             pending.append(view[self.cache.lengths[slot]:])  # committed tokens the draft has not seen
-        width = max(len(p) for p in pending)
-        feed = torch.zeros(B, width, dtype=torch.long)
-        for b, p in enumerate(pending):
-            feed[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         order = sorted(range(B), key=lambda b: slots[b])  # contiguous slots -> cache views, no gather
         inv = [order.index(b) for b in range(B)]
         s_slots = [slots[b] for b in order]
-        s_feed = feed[order]
-        s_num = [len(pending[b]) for b in order]
 
         sampled = [b for b, s in enumerate(seqs) if s.temperature > 0]
         if sampled:
@@ -77,8 +71,7 @@ class ModelDrafter(Drafter):
             probs = None
 
         tokens = torch.zeros(B, G, dtype=torch.long)
-        hidden = self.runner.forward(self.cache, s_slots, s_feed, s_num)  # [B, width, E]
-        last = hidden[torch.arange(B), torch.tensor(s_num) - 1][inv]  # [B, E], caller order
+        last = self._catch_up(slots, pending)  # [B, E], caller order
         for j in range(G):
             logits = self.runner.logits(last).float()  # [B, V]
             tok = logits.argmax(-1)
@@ -97,6 +90,27 @@ class ModelDrafter(Drafter):
             self.views[s.seq_id].extend(tokens[b, :num_draft[b]].tolist())
         return Proposal(tokens=tokens, num_draft=num_draft, probs=probs,
                         timings={"draft_s": time.perf_counter() - t0})
+
+    def _catch_up(self, slots: list[int], pending: list[list[int]]) -> torch.Tensor:
+        """Feed each row its unseen committed tokens; return each row's last hidden state [B, E].
+
+        Rows with a few pending tokens (the usual 1-2) share one padded pass; rows with many
+        (a new or re-prefilled sequence) run on their own, so padding to the widest row can
+        never push a long sequence past its cache.
+        """
+        B = len(slots)
+        last = torch.empty(B, self.runner.hidden_size, dtype=self.runner.dtype)
+        short = [b for b in range(B) if len(pending[b]) <= KV_HEADROOM]
+        groups = ([sorted(short, key=lambda b: slots[b])] if short else []) + \
+            [[b] for b in range(B) if len(pending[b]) > KV_HEADROOM]
+        for rows in groups:
+            num = [len(pending[b]) for b in rows]
+            feed = torch.zeros(len(rows), max(num), dtype=torch.long)
+            for i, b in enumerate(rows):
+                feed[i, :num[i]] = torch.tensor(pending[b], dtype=torch.long)
+            hidden = self.runner.forward(self.cache, [slots[b] for b in rows], feed, num)  # [R, W, E]
+            last[rows] = hidden[torch.arange(len(rows)), torch.tensor(num) - 1]
+        return last
 
     def release(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)

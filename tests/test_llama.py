@@ -1,0 +1,265 @@
+"""The fast llama runner and its slotted KV cache, against the Hugging Face forward.
+
+The oracle is `model(input_ids).logits` of the same Hugging Face model on the
+whole sequence at once (fp32, batch 1, no padding). Tolerances: the runner uses
+fused matmuls and its own attention call, so it agrees with HF to float32
+rounding, not bit for bit; observed max |diff| is ~1e-6 on the tiny model
+(|logits| < 5) and ~7e-5 on SmolLM2 (|logits| ~ 40, 30 layers). Any real bug
+(wrong RoPE position, stale or missing KV, a mask off by one) moves logits by
+O(0.1..1), orders of magnitude above these bounds. Runner-vs-runner comparisons
+(batched vs alone, rolled back vs fresh) run the same kernels on differently
+shaped batches and get a tighter bound.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actors.llama import LlamaRunner
+from actors.models import build_tiny
+
+TINY_ATOL = 1e-4
+SMOL_ATOL = 1e-3  # |logits| up to ~40: a relative error of ~2e-5
+SAME_KERNELS_ATOL = 2e-5
+
+
+def rand_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()  # [T, V]
+
+
+def runner_logits(runner: LlamaRunner, cache, slot: int, tokens: list[int]) -> torch.Tensor:
+    """Forward `tokens` for one slot; logits [T, V]."""
+    h = runner.forward(cache, [slot], torch.tensor([tokens]))
+    return runner.logits(h)[0].float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = float((a - b).abs().max())
+    assert err <= atol, f"max |diff| {err:.3g} > {atol}"
+
+
+# --------------------------------------------------------------------------- #
+# Runner vs Hugging Face
+# --------------------------------------------------------------------------- #
+def incremental_vs_hf(model, tokens: list[int], chunks: list[int], atol: float) -> None:
+    """Prefill chunks[0] tokens, then forward the rest in chunks; every position's
+    logits must match HF's single forward over the whole sequence."""
+    assert sum(chunks) == len(tokens)
+    runner = LlamaRunner(model)
+    cache = runner.new_cache(2, 64)
+    ref = hf_logits(model, tokens)
+    got, pos = [], 0
+    for n in chunks:
+        got.append(runner_logits(runner, cache, 1, tokens[pos:pos + n]))
+        pos += n
+        assert cache.lengths == [0, pos]
+    assert_close(torch.cat(got), ref, atol)
+
+
+def test_tiny_logits_match_hf_prefill_then_incremental(tiny):
+    tokens = rand_tokens(20, seed=1)
+    incremental_vs_hf(tiny.model, tokens, [11, 1, 1, 3, 1, 2, 1], TINY_ATOL)
+
+
+def test_tiny_gqa_one_token_steps(tiny):
+    """The tiny config has 4 query heads over 2 KV heads (GQA): a wrong head grouping
+    would show up here as a large error."""
+    assert tiny.model.config.num_key_value_heads < tiny.model.config.num_attention_heads
+    tokens = rand_tokens(9, seed=2)
+    incremental_vs_hf(tiny.model, tokens, [1, 1, 1, 1, 5], TINY_ATOL)
+
+
+def test_smollm2_logits_match_hf(smollm2):
+    tok = smollm2.tokenizer
+    tokens = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, return_dict=False)
+    tokens = list(tokens) + tok.encode("The capital of France is")
+    incremental_vs_hf(smollm2.model, tokens, [len(tokens) - 6, 1, 1, 3, 1], SMOL_ATOL)
+
+
+# --------------------------------------------------------------------------- #
+# Batching, padding, slots
+# --------------------------------------------------------------------------- #
+def test_batch_with_padding_matches_rows_alone(tiny):
+    """Rows of different lengths in one padded forward (num_new), then a second
+    forward with different new-token counts per row, then a one-token step at
+    unequal lengths (the masked path): each row equals that row run alone."""
+    runner = LlamaRunner(tiny.model)
+    prompts = [rand_tokens(n, seed=10 + n) for n in (5, 12, 8)]
+    step2 = [rand_tokens(n, seed=20 + n) for n in (3, 1, 2)]
+    step3 = rand_tokens(3, seed=30)
+
+    cache = runner.new_cache(3, 64)
+    P = max(map(len, prompts))
+    feed = torch.zeros(3, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        feed[b, :len(p)] = torch.tensor(p)
+    h1 = runner.logits(runner.forward(cache, [0, 1, 2], feed, [len(p) for p in prompts]))
+    assert cache.lengths == [5, 12, 8]
+    feed = torch.zeros(3, 3, dtype=torch.long)
+    for b, t in enumerate(step2):
+        feed[b, :len(t)] = torch.tensor(t)
+    h2 = runner.logits(runner.forward(cache, [0, 1, 2], feed, [len(t) for t in step2]))
+    assert cache.lengths == [8, 13, 10]
+    h3 = runner.logits(runner.forward(cache, [0, 1, 2], torch.tensor(step3)[:, None]))
+    assert cache.lengths == [9, 14, 11]
+
+    for b in range(3):
+        alone = runner.new_cache(1, 64)
+        a1 = runner_logits(runner, alone, 0, prompts[b])
+        a2 = runner_logits(runner, alone, 0, step2[b])
+        a3 = runner_logits(runner, alone, 0, [step3[b]])
+        assert_close(h1[b, :len(prompts[b])], a1, SAME_KERNELS_ATOL)
+        assert_close(h2[b, :len(step2[b])], a2, SAME_KERNELS_ATOL)
+        assert_close(h3[b], a3, SAME_KERNELS_ATOL)
+        # and all of it is the Hugging Face forward of the row's whole sequence
+        full = prompts[b] + step2[b] + [step3[b]]
+        assert_close(torch.cat([a1, a2, a3]), hf_logits(tiny.model, full), TINY_ATOL)
+
+
+def test_equal_length_single_token_batch(tiny):
+    """T == 1 with equal lengths takes the mask-free path."""
+    runner = LlamaRunner(tiny.model)
+    seqs = [rand_tokens(7, seed=40 + b) for b in range(3)]
+    cache = runner.new_cache(3, 32)
+    runner.forward(cache, [0, 1, 2], torch.tensor([s[:6] for s in seqs]))
+    got = runner.logits(runner.forward(cache, [0, 1, 2], torch.tensor([[s[6]] for s in seqs])))[:, 0]
+    for b, s in enumerate(seqs):
+        assert_close(got[b], hf_logits(tiny.model, s)[-1], TINY_ATOL)
+
+
+def test_non_contiguous_and_unsorted_slots(tiny):
+    runner = LlamaRunner(tiny.model)
+    seqs = [rand_tokens(n, seed=50 + n) for n in (6, 9, 4)]
+    slots = [4, 1, 3]  # not a range, not sorted
+    cache = runner.new_cache(6, 32)
+    # occupy the other slots with unrelated garbage
+    runner.forward(cache, [0, 2, 5], torch.tensor([rand_tokens(10, seed=s) for s in (1, 2, 3)]))
+    P = max(map(len, seqs))
+    feed = torch.zeros(3, P, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        feed[b, :len(s) - 1] = torch.tensor(s[:-1])
+    runner.forward(cache, slots, feed, [len(s) - 1 for s in seqs])
+    got = runner.logits(runner.forward(cache, slots, torch.tensor([[s[-1]] for s in seqs])))[:, 0]
+    assert [cache.lengths[s] for s in slots] == [len(s) for s in seqs]
+    assert [cache.lengths[s] for s in (0, 2, 5)] == [10, 10, 10]
+    for b, s in enumerate(seqs):
+        assert_close(got[b], hf_logits(tiny.model, s)[-1], TINY_ATOL)
+
+
+# --------------------------------------------------------------------------- #
+# Rollback
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("keep_extra", [0, 2, 4])
+def test_logits_after_rollback_equal_fresh_prefill(tiny, keep_extra):
+    """Logits after a rollback equal the logits from a fresh prefill of the same tokens.
+
+    Forward 4 speculative tokens past a 10-token prefix, truncate the slot back to
+    10 + keep_extra, then forward a token different from the rolled-back one: the
+    logits must equal a fresh cache prefilled with exactly the surviving tokens plus
+    that token (the stale K/V beyond the kept length must never be attended).
+    A second slot, untouched, must be unaffected."""
+    runner = LlamaRunner(tiny.model)
+    prefix, spec = rand_tokens(10, seed=60), rand_tokens(4, seed=61)
+    other = rand_tokens(13, seed=62)
+    nxt = (spec[keep_extra] + 1) % 512 if keep_extra < 4 else 7
+
+    cache = runner.new_cache(2, 32)
+    runner.forward(cache, [0], torch.tensor([prefix]))
+    runner.forward(cache, [1], torch.tensor([other[:-1]]))
+    runner.forward(cache, [0], torch.tensor([spec]))
+    assert cache.lengths == [14, 12]
+    cache.truncate(0, 10 + keep_extra)
+    assert cache.lengths == [10 + keep_extra, 12]
+    # both rows in one batch: different lengths, so the masked path
+    out = runner.logits(runner.forward(cache, [0, 1], torch.tensor([[nxt], [other[-1]]])))[:, 0]
+
+    kept = prefix + spec[:keep_extra] + [nxt]
+    fresh = runner.new_cache(1, 32)
+    assert_close(out[0], runner_logits(runner, fresh, 0, kept)[-1], SAME_KERNELS_ATOL)
+    assert_close(out[0], hf_logits(tiny.model, kept)[-1], TINY_ATOL)
+    assert_close(out[1], hf_logits(tiny.model, other)[-1], TINY_ATOL)
+
+
+def test_repeated_rollbacks_track_hf(tiny):
+    """Many draft/rollback rounds on one slot: after each, the next logits are HF's."""
+    runner = LlamaRunner(tiny.model)
+    cache = runner.new_cache(1, 64)
+    committed = rand_tokens(5, seed=70)
+    runner.forward(cache, [0], torch.tensor([committed[:-1]]))
+    g = torch.Generator().manual_seed(71)
+    for r in range(6):
+        drafts = torch.randint(3, 512, (3,), generator=g).tolist()
+        logits = runner.logits(runner.forward(cache, [0], torch.tensor([committed[-1:] + drafts])))[0]
+        assert_close(logits, hf_logits(tiny.model, committed + drafts)[-4:], TINY_ATOL)
+        a = r % 4  # accept a drafts, then one token of our own
+        committed = committed + drafts[:a] + [int(torch.randint(3, 512, (1,), generator=g))]
+        cache.truncate(0, len(committed) - 1)
+
+
+def test_truncate_validates_and_free_resets(tiny):
+    runner = LlamaRunner(tiny.model)
+    cache = runner.new_cache(2, 16)
+    runner.forward(cache, [1], torch.tensor([rand_tokens(5, seed=80)]))
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(1, 6)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(1, -1)
+    cache.truncate(1, 5)  # no-op is fine
+    assert cache.lengths == [0, 5]
+    cache.free(1)
+    assert cache.lengths == [0, 0]
+
+
+# --------------------------------------------------------------------------- #
+# Errors
+# --------------------------------------------------------------------------- #
+def test_cache_overflow_raises_and_leaves_cache_unchanged(tiny):
+    runner = LlamaRunner(tiny.model)
+    cache = runner.new_cache(2, 16)
+    runner.forward(cache, [0, 1], torch.tensor([rand_tokens(10, seed=90), rand_tokens(10, seed=91)]),
+                   [10, 4])
+    with pytest.raises(ValueError, match="cache holds 16"):
+        runner.forward(cache, [0], torch.tensor([rand_tokens(7, seed=92)]))
+    # a batch fails as a whole if any row's end is past max_len (row 1 alone would fit)
+    with pytest.raises(ValueError, match="cache holds 16"):
+        runner.forward(cache, [0, 1], torch.tensor([rand_tokens(7, seed=93)] * 2), [1, 7])
+    assert cache.lengths == [10, 4]
+    runner.forward(cache, [0], torch.tensor([rand_tokens(6, seed=94)]))  # exactly full is fine
+    assert cache.lengths == [16, 4]
+
+
+def test_new_cache_beyond_max_position_raises(tiny):
+    runner = LlamaRunner(tiny.model)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        runner.new_cache(1, tiny.model.config.max_position_embeddings + 1)
+
+
+def test_unsupported_models_raise():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        LlamaRunner(gpt2)
+    with pytest.raises(ValueError, match="model_type"):
+        LlamaRunner(SimpleNamespace(config=SimpleNamespace(model_type="falcon")))
+    gelu = build_tiny(0, vocab_size=32, num_layers=1)
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaRunner(gelu)
+
+
+def test_num_layers_range(tiny):
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=r"num_layers must be in \[1, 4\]"):
+            LlamaRunner(tiny.model, num_layers=bad)
+    assert LlamaRunner(tiny.model, num_layers=2).num_layers == 2
