@@ -50,7 +50,8 @@ class Built:
 
 
 def build_engine(model: str = "smollm2", drafts: list[str] = (), dtype: str = "bf16",
-                 max_batch: int = 8, max_len: int = 2048, device: str = "cpu") -> Built:
+                 max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
+                 adaptive_gamma: bool = False) -> Built:
     target = load_model(model, dtype, device)
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     drafters = {}
@@ -59,7 +60,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] = (), dtype: str = "b
         if d is not None:
             drafters[spec] = d
     engine = SpecEngine(LlamaRunner(target.model), drafters, tokenizer=target.tokenizer,
-                        eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len)
+                        eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
+                        adaptive_gamma=adaptive_gamma)
     return Built(engine, target, drafters)
 
 

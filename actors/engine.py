@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters.base import KV_HEADROOM, MAX_GAMMA, Drafter, DraftSeq
+from .gamma import AdaptiveGamma, PassCost
 from .llama import LlamaRunner
 from .sampling import process_logits, sample, verify_greedy, verify_sampled
 
@@ -138,7 +139,9 @@ class SpecEngine:
 
     def __init__(self, target: LlamaRunner, drafters: dict[str, Drafter] | None = None,
                  tokenizer=None, eos_token_ids: set[int] | None = None,
-                 max_batch: int = 8, max_len: int = 2048):
+                 max_batch: int = 8, max_len: int = 2048, adaptive_gamma: bool = False):
+        """adaptive_gamma: treat each request's γ as a maximum and pick the draft length per
+        step for goodput (see gamma.py); off = every request drafts its own γ."""
         self.target = target
         self.drafters = dict(drafters or {})
         self.tokenizer = tokenizer
@@ -154,6 +157,14 @@ class SpecEngine:
         self.stats = SpecStats()  # counts: finished requests; times: every step's wall time
         self.finished: dict[str, _Seq] = {}
         self._next_seq = 0
+        self.adaptive_gamma = adaptive_gamma
+        self._policy: AdaptiveGamma | None = None  # built on first use (measures the pass cost)
+
+    @property
+    def gamma_policy(self) -> AdaptiveGamma:
+        if self._policy is None:
+            self._policy = AdaptiveGamma(PassCost.measure(self.target, self.max_batch * (MAX_GAMMA + 1)))
+        return self._policy
 
     # ---- admission -------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -257,10 +268,19 @@ class SpecEngine:
         # 1. Draft, grouped by drafter.
         drafts: list[list[int]] = [[] for _ in range(B)]
         draft_probs: dict[int, torch.Tensor] = {}  # row -> [k, V]
+        gamma = [min(s.req.gamma, self._room(s)) if s.req.draft is not None else 0 for s in seqs]
         groups: dict[str, list[int]] = {}
         for b, s in enumerate(seqs):
-            if s.req.draft is not None and min(s.req.gamma, self._room(s)) > 0:
+            if gamma[b] > 0:
                 groups.setdefault(s.req.draft, []).append(b)
+        if self.adaptive_gamma:
+            for name, rows in list(groups.items()):
+                g = self.gamma_policy.choose(name, max(gamma[b] for b in rows), len(rows), B - len(rows))
+                for b in rows:
+                    gamma[b] = min(gamma[b], g)
+                if g == 0:
+                    del groups[name]
+        group_s: dict[str, float] = {}
         for name, rows in groups.items():
             drafter = self.drafters[name]
             dseqs = []
@@ -268,9 +288,11 @@ class SpecEngine:
                 s = seqs[b]
                 p = s.req.params
                 dseqs.append(DraftSeq(seq_id=s.seq_id, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:],
-                                      gamma=min(s.req.gamma, self._room(s)), temperature=p.temperature,
+                                      gamma=gamma[b], temperature=p.temperature,
                                       top_k=p.top_k, top_p=p.top_p, seed=s.seed))
+            tg = time.perf_counter()
             prop = drafter.propose(dseqs)
+            group_s[name] = time.perf_counter() - tg
             for i, b in enumerate(rows):
                 k = prop.num_draft[i]
                 drafts[b] = prop.tokens[i, :k].tolist()
@@ -326,6 +348,10 @@ class SpecEngine:
 
         # 4. Roll back and commit.
         n_acc_l, out_l = n_acc.tolist(), out.tolist()
+        if self.adaptive_gamma:
+            for name, rows in groups.items():
+                self.gamma_policy.observe(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows],
+                                          group_s[name])
         for b, s in enumerate(seqs):
             a, k = n_acc_l[b], len(drafts[b])
             # KV now holds [.., last, d_1..d_k]; keep [.., last, d_1..d_a].

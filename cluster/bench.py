@@ -5,7 +5,8 @@ Configurations, run interleaved per prompt chunk so machine noise hits all alike
   hf-assisted:SPEC   `generate(assistant_model=...)` with the same draft (batch 1 only: HF's limit)
   hf-prompt-lookup   `generate(prompt_lookup_num_tokens=...)`, HF's n-gram analogue (batch 1 only)
   engine             this engine with γ = 0
-  engine+SPEC        this engine, speculative with drafter SPEC
+  engine+SPEC        this engine, speculative with drafter SPEC at a fixed γ
+  engine+SPEC adaptive-γ   the same, γ chosen per step for goodput (actors/gamma.py)
 Also: the cost of a verify pass over T tokens relative to one token, a profile of
 one decode step, and how close a target pass comes to the memory-bandwidth floor.
 """
@@ -157,7 +158,7 @@ def bandwidth_floor(model) -> dict:
 
 def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: int = 4, dtype: str = "bf16",
               max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
-              hf_baselines: bool = True, progress: bool = True) -> dict:
+              hf_baselines: bool = True, progress: bool = True, adaptive: bool = True) -> dict:
     from tqdm import tqdm
 
     prompts = load_prompts(prompts_path)[:limit]
@@ -186,6 +187,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
                     configs.append((bs, "hf-prompt-lookup", "hf-lookup", None))
         configs.append((bs, "engine", "engine", None))
         configs += [(bs, f"engine+{s}", "engine", s) for s in drafts if s != "none"]
+        if adaptive:
+            configs += [(bs, f"engine+{s} adaptive-γ", "engine-adaptive", s) for s in drafts if s != "none"]
 
     rows = {(bs, name): {"batch": bs, "config": name, "tokens": 0, "seconds": 0.0, "stats": SpecStats(),
                          "agree": [0, 0], "exact": [0, 0]} for bs, name, _, _ in configs}
@@ -254,6 +257,7 @@ def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants
         return _hf_generate(hf, tok, batch, max_tokens, eos, assistant_model=assistants[spec]), None
     if kind == "hf-lookup":
         return _hf_generate(hf, tok, batch, max_tokens, eos, prompt_lookup_num_tokens=gamma), None
+    eng.adaptive_gamma = kind == "engine-adaptive"
     reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens), spec, gamma if spec else 0)
             for i, p in enumerate(batch)]
     done = eng.run(reqs)

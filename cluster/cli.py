@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--draft", default="none", help="none | ngram[:N] | truncated:K | PATH")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (ignored with --draft none)")
+    g.add_argument("--adaptive-gamma", action="store_true",
+                   help="treat --gamma as a maximum and choose the draft length per step for goodput")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     _add_model_args(g)
 
@@ -54,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1,8")
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-γ configurations")
     _add_model_args(b)
 
     d = sub.add_parser("demo", help="stream a few answers and print tokens/s, α and the speedup")
@@ -87,7 +90,8 @@ def _generate(args) -> int:
     from actors.engine import Request, SamplingParams
 
     messages = json.loads(args.messages_json) if args.messages_json else None
-    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len)
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len,
+                         adaptive_gamma=args.adaptive_gamma)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     spec = None if args.draft == "none" else args.draft
     req = Request(uuid.uuid4().hex, ids,
@@ -124,7 +128,7 @@ def _bench(args) -> int:
     drafts = args.draft or ["ngram", "truncated:4"]
     report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
-                             hf_baselines=not args.no_hf)
+                             hf_baselines=not args.no_hf, adaptive=not args.no_adaptive)
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))

@@ -168,9 +168,11 @@ def test_model_drafter_batch_rows_independent(tiny_draft):
 
 def test_truncated_self_draft_shares_target_weights(tiny):
     """The self-draft holds the target's own tensors (same storage, no copy) for every
-    weight the runner does not fuse. The fused Q/K/V and gate/up matrices are built
-    with torch.cat, so they are equal in value but necessarily separate storage."""
+    weight, the fused Q/K/V and gate/up matrices included: fusing re-points the HF
+    projections at views of the fused tensor, and the target runner and the self-draft
+    both use that one tensor. So the self-draft costs only its KV cache."""
     hf = tiny.model
+    target = LlamaRunner(hf)
     d = ModelDrafter.truncated(hf, 2, max_batch=1, max_len=32)
     r = d.runner
     assert d.name == "truncated:2" and r.num_layers == 2 and len(r.layers) == 2
@@ -190,6 +192,9 @@ def test_truncated_self_draft_shares_target_weights(tiny):
         at = layer.self_attn
         assert torch.equal(lw.wqkv, torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]))
         assert torch.equal(lw.w_gate_up, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+        assert same(lw.wqkv, target.layers[i].wqkv) and same(lw.w_gate_up, target.layers[i].w_gate_up)
+        for proj in (at.q_proj, at.k_proj, at.v_proj):
+            assert proj.weight.untyped_storage().data_ptr() == lw.wqkv.untyped_storage().data_ptr()
 
 
 def test_truncated_all_layers_proposes_target_greedy(tiny, hf_greedy):
