@@ -139,7 +139,8 @@ class SpecEngine:
 
     def __init__(self, target: LlamaRunner, drafters: dict[str, Drafter] | None = None,
                  tokenizer=None, eos_token_ids: set[int] | None = None,
-                 max_batch: int = 8, max_len: int = 2048, adaptive_gamma: bool = False):
+                 max_batch: int = 8, max_len: int = 2048, adaptive_gamma: bool = False,
+                 seq_id_base: int = 0):
         """adaptive_gamma: treat each request's γ as a maximum and pick the draft length per
         step for goodput (see gamma.py); off = every request drafts its own γ."""
         self.target = target
@@ -156,7 +157,7 @@ class SpecEngine:
         self.free_slots = list(range(max_batch))
         self.stats = SpecStats()  # counts: finished requests; times: every step's wall time
         self.finished: dict[str, _Seq] = {}
-        self._next_seq = 0
+        self._next_seq = seq_id_base  # drafter-side ids; distinct per engine when drafters are shared
         self.adaptive_gamma = adaptive_gamma
         self._policy: AdaptiveGamma | None = None  # built on first use (measures the pass cost)
 

@@ -233,7 +233,8 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         req.messages.SetInParent()  # selects the oneof even for an empty list (server rejects it)
         req.messages.messages.extend(_chat_message(m) for m in messages)
     s = req.sampling
-    s.max_tokens = max_tokens or 0
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
     if temperature is not None:
         s.temperature = temperature
     if top_p is not None:

@@ -70,6 +70,12 @@ class Drafter(ABC):
         """Sequences currently holding state here (for tests and stats)."""
         return 0
 
+    def view_length(self, seq_id: int) -> int | None:
+        """Tokens in this drafter's view of a sequence, or None if it holds no state for it
+        (a new sequence, or one whose state lived on a lost replica)."""
+        view = getattr(self, "views", {}).get(seq_id)
+        return None if view is None else len(view)
+
 
 def apply_view(view: list[int], keep: int, new_tokens: list[int]) -> list[int]:
     """The drafter-side rollback rule: keep a prefix, append the committed suffix."""

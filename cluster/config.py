@@ -1,0 +1,144 @@
+"""Cluster configuration: the single source of truth for local runs, Serve and Kubernetes.
+
+One YAML file (validated here with pydantic) describes the target, the drafts, each
+deployment's placement and autoscaling, and the router's limits. `specd serve`
+reads it, `cluster.app:app_builder` turns it into a Serve application (so
+`serve run` / `serve deploy` accept it), and the KubeRay manifest embeds it.
+
+Placement: on real clusters a deployment asks for `num_gpus` and an
+`accelerator_type` (e.g. L4 for drafts, H100 for verifiers). Locally, custom
+resources stand for the accelerator pools: `small_accel` and `large_accel`,
+declared when `specd serve` starts Ray.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.drafters.base import MAX_GAMMA
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Resources(_Strict):
+    """What one replica asks Ray for."""
+    num_cpus: float = Field(0, ge=0, description="logical CPUs; 0 lets replicas share a small machine")
+    num_gpus: float = Field(0, ge=0)
+    accelerator_type: str | None = Field(None, description="e.g. 'L4' (drafts) or 'H100' (verifiers)")
+    custom: dict[str, float] = Field(default_factory=dict, description="e.g. {'large_accel': 1}")
+
+    def ray_actor_options(self) -> dict:
+        opts: dict = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            opts["num_gpus"] = self.num_gpus
+        if self.accelerator_type:
+            opts["accelerator_type"] = self.accelerator_type
+        if self.custom:
+            opts["resources"] = dict(self.custom)
+        return opts
+
+
+class Autoscaling(_Strict):
+    """Ray Serve autoscaling_config for one deployment (drafts and verifiers scale independently)."""
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(4, gt=0, description="per replica; above it Serve scales up")
+    upscale_delay_s: float = Field(10, ge=0)
+    downscale_delay_s: float = Field(60, ge=0)
+    metrics_interval_s: float = Field(2, gt=0)
+    look_back_period_s: float = Field(10, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+    def serve(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
+class DeploymentSpec(_Strict):
+    resources: Resources = Field(default_factory=Resources)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    torch_threads: int = Field(1, ge=1, description="intra-op threads per replica (cores are shared)")
+    graceful_shutdown_timeout_s: float = Field(30, ge=0, description="scale-down drains in-flight work")
+
+
+class DraftConfig(DeploymentSpec):
+    """One draft. `spec` uses the engine's draft names: ngram[:N], truncated:K, or a model path.
+    n-gram drafts run inside the verifier (a network hop would cost more than the lookup);
+    model drafts get their own deployment on the small-accelerator pool."""
+    name: str
+    spec: str
+    default_gamma: int = Field(4, ge=0, le=MAX_GAMMA)
+    max_batch: int = Field(16, ge=1, description="sequences with draft KV per replica")
+
+    @property
+    def remote(self) -> bool:
+        return not (self.spec == "ngram" or self.spec.startswith("ngram:"))
+
+
+class VerifierConfig(DeploymentSpec):
+    max_batch: int = Field(8, ge=1, le=256, description="sequences verified together (KV slots)")
+    pipeline: bool = Field(True, description="draft one micro-batch while the target verifies the other")
+    adaptive_gamma: bool = Field(False, description="treat request γ as a maximum, choose per step")
+
+
+class RouterConfig(DeploymentSpec):
+    max_queue: int = Field(64, ge=1, description="requests admitted (running + waiting); beyond: RESOURCE_EXHAUSTED")
+    max_tokens: int = Field(512, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(128, ge=1)
+    coalesce: bool = Field(True, description="identical in-flight requests share one generation")
+    default_draft: str = Field("none", description="draft used when a request names none")
+
+
+class ClusterConfig(_Strict):
+    app_name: str = "specd"
+    route_prefix: str = "/specd"
+    model: str = Field("smollm2", description="target: 'smollm2', 'tiny[:SEED]' or a HF model directory")
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
+    grpc_port: int = Field(9000, ge=0, le=65535)
+    http_port: int = Field(8000, ge=0, le=65535)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    verifier: VerifierConfig = Field(default_factory=lambda: VerifierConfig(
+        resources=Resources(custom={"large_accel": 1})))
+    drafts: list[DraftConfig] = Field(default_factory=lambda: [DraftConfig(name="ngram", spec="ngram")])
+
+    @model_validator(mode="after")
+    def _check(self):
+        names = [d.name for d in self.drafts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"draft names must be unique, got {names}")
+        if "none" in names:
+            raise ValueError("'none' is reserved (speculation off)")
+        if self.router.default_draft not in ("none", *names):
+            raise ValueError(f"router.default_draft {self.router.default_draft!r} is not one of {['none', *names]}")
+        if self.router.default_max_tokens > self.router.max_tokens:
+            raise ValueError("router.default_max_tokens exceeds router.max_tokens")
+        if self.router.max_tokens >= self.max_len:
+            raise ValueError(f"router.max_tokens ({self.router.max_tokens}) must be below max_len ({self.max_len})")
+        return self
+
+    def draft(self, name: str) -> DraftConfig:
+        for d in self.drafts:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "ClusterConfig":
+        if path is None:
+            return cls()
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(data)
+
+    def dump(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,53 @@
+"""Start (or join) Ray, deploy the application, and report the gRPC address.
+
+Locally `start` declares the custom resources that stand for the accelerator pools
+(`small_accel` for drafts, `large_accel` for verifiers); with `address` it joins an
+existing cluster (KubeRay), whose nodes declare real accelerators.
+"""
+from __future__ import annotations
+
+import socket
+
+from .config import ClusterConfig
+
+POOLS = {"small_accel": 4, "large_accel": 4}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None = None,
+          resources: dict | None = None) -> str:
+    """Deploy `cfg`; returns the gRPC address "127.0.0.1:PORT". Ray must not be running
+    in this process unless `address` is "auto" or a cluster address."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from .app import SERVICER_FUNCTIONS, build_app
+
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address)
+        else:
+            # Logical CPUs: replicas ask for num_cpus=0 by default, so a 2-core machine fits them all.
+            ray.init(num_cpus=num_cpus or 8, resources=resources or dict(POOLS), include_dashboard=False,
+                     log_to_driver=False)
+    grpc_port = cfg.grpc_port or free_port()
+    http_port = cfg.http_port or free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
+                proxy_location="HeadOnly")
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+    return f"127.0.0.1:{grpc_port}"
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
