@@ -43,6 +43,17 @@ class BadRequest(ValueError):
     """A request field is invalid: becomes INVALID_ARGUMENT with this message."""
 
 
+class RpcError(Exception):
+    """End the call with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+    def __reduce__(self):  # crosses Ray process boundaries inside Serve's error wrapper
+        return (RpcError, (self.code, self.details))
+
+
 @dataclass
 class _Generation:
     """One generation fanned out to every caller that asked for it."""
@@ -161,9 +172,7 @@ class Router:
         try:
             vreq = self.validate(req)
         except BadRequest as e:
-            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            grpc_context.set_details(str(e))
-            return
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         key = self._coalesce_key(vreq) if self.cfg.router.coalesce else None
         gen = self.inflight.get(key) if key is not None else None
         coalesced = gen is not None
@@ -172,10 +181,9 @@ class Router:
         else:
             if self.admitted >= self.cfg.router.max_queue:
                 self.counters["rejected_total"] += 1
-                grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-                grpc_context.set_details(f"server at capacity: {self.admitted} requests in flight "
-                                         f"(router.max_queue = {self.cfg.router.max_queue}); retry later")
-                return
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server at capacity: {self.admitted} requests in flight "
+                               f"(router.max_queue = {self.cfg.router.max_queue}); retry later")
             remaining = grpc_context.time_remaining() if hasattr(grpc_context, "time_remaining") else None
             if remaining:
                 vreq["deadline"] = time.time() + remaining
@@ -240,11 +248,15 @@ class Router:
                 r.spec_stats.CopyFrom(spec_stats_proto(chunk["stats"]))
         return r
 
-    def _error(self, grpc_context, e: BaseException) -> None:
-        if isinstance(e, TimeoutError):
-            grpc_context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+    @staticmethod
+    def _error(grpc_context, e: BaseException) -> None:
+        if isinstance(e, RpcError):
+            code = e.code
+        elif isinstance(e, TimeoutError):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
         else:
-            grpc_context.set_code(grpc.StatusCode.INTERNAL)
+            code = grpc.StatusCode.INTERNAL
+        grpc_context.set_code(code)
         grpc_context.set_details(str(e))
 
     # ---- RPCs ----------------------------------------------------------------------------------------
@@ -255,6 +267,7 @@ class Router:
                 yield self._response(rid, chunk, coalesced)
         except Exception as e:
             self._error(grpc_context, e)
+            raise  # a stream must raise for Serve to end it with the status set above
 
     async def Generate(self, request: specd_pb2.GenerateRequest, grpc_context) -> specd_pb2.GenerateResponse:
         text, ids, last, coalesced = [], [], None, False

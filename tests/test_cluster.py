@@ -1,0 +1,167 @@
+"""The cluster end to end: a real local Ray, Ray Serve's gRPC proxy over loopback, the SDK.
+
+One cluster for the module: the embedded SmolLM2 target in fp32 on a verifier replica
+(`large_accel` pool), the 4-layer self-draft on its own Draft replica (`small_accel`),
+n-gram inside the verifier. Nothing is mocked.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+import ray
+import torch
+
+from cluster import serve as S
+from cluster.config import ClusterConfig
+from specd_client import SpecdClient
+from specd_client.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+
+MAX_LEN = 256
+QUESTION = [{"role": "user", "content": "Name two planets and one fact about each."}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = ClusterConfig.model_validate({
+        "model": "smollm2", "dtype": "fp32", "max_len": MAX_LEN, "grpc_port": 0, "http_port": 0,
+        "router": {"max_queue": 3, "max_tokens": 128, "default_max_tokens": 16, "default_draft": "ngram"},
+        "verifier": {"max_batch": 4, "resources": {"custom": {"large_accel": 1}}},
+        "drafts": [{"name": "ngram", "spec": "ngram"},
+                   {"name": "truncated:4", "spec": "truncated:4", "max_batch": 4,
+                    "resources": {"custom": {"small_accel": 1}}}]})
+    addr = S.start(cfg)
+    client = SpecdClient(addr, timeout=120)
+    deadline = time.time() + 60
+    while client.health() != "SERVING" and time.time() < deadline:
+        time.sleep(0.5)
+    yield client
+    client.close()
+    S.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_ref(smollm2):
+    ids = smollm2.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                 eos_token_id=sorted(smollm2.eos_token_ids), pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def verifier_stats(client) -> dict:
+    return {r.role: r for r in client.stats().replicas}
+
+
+def wait_kv_free(client, timeout=20.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        reps = client.stats().replicas
+        if reps and all(r.kv_slots_in_use == 0 for r in reps):
+            return reps
+        time.sleep(0.2)
+    raise AssertionError(f"KV still held: {client.stats().replicas}")
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "truncated:4"])
+def test_greedy_over_grpc_equals_hf_generate(cluster, hf_ref, draft):
+    r = cluster.generate(messages=QUESTION, max_tokens=32, draft=draft, gamma=4)
+    assert r.token_ids == hf_ref
+    chunks = list(cluster.stream(messages=QUESTION, max_tokens=32, draft=draft, gamma=3))
+    assert [t for c in chunks for t in c.token_ids] == hf_ref
+    assert "".join(c.text for c in chunks) == r.text and r.text
+    assert chunks[-1].finish_reason == r.finish_reason and all(c.finish_reason is None for c in chunks[:-1])
+    if draft == "truncated:4":
+        assert r.spec_stats["draft_tokens"] > 0  # drafts really came from the Draft replica
+
+
+BAD = [
+    (dict(prompt=""), "prompt must not be empty"),
+    (dict(prompt="word " * (MAX_LEN + 10)), "context of 256 tokens"),
+    (dict(prompt="hi", max_tokens=0), "sampling.max_tokens must be in [1, 128]"),
+    (dict(prompt="hi", max_tokens=129), "sampling.max_tokens must be in [1, 128]"),
+    (dict(prompt="hi", temperature=-0.5), "sampling.temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0.0), "sampling.top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=1.5), "sampling.top_p must be in (0, 1]"),
+    (dict(prompt="hi", draft="nope"), "speculation.draft 'nope' is unknown"),
+    (dict(prompt="hi", draft="ngram", gamma=17), "speculation.gamma must be in [0, 16]"),
+    (dict(prompt="hi", draft="ngram", gamma=-1), "speculation.gamma must be in [0, 16]"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role must be one of"),
+    (dict(messages=[]), "messages must not be empty"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[m.split(" must")[0][:30] for _, m in BAD])
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(cluster, kw, msg):
+    with pytest.raises(InvalidArgument) as ei:
+        cluster.generate(**kw)
+    assert msg in ei.value.details
+    with pytest.raises(InvalidArgument):
+        list(cluster.stream(**kw))
+    assert cluster.generate(prompt="The sky is", max_tokens=3).finish_reason == "length"
+
+
+def test_coalescing_identical_requests_share_one_generation(cluster, hf_ref):
+    before = cluster.stats()
+    n = 3
+    with cf.ThreadPoolExecutor(n) as ex:
+        results = list(ex.map(lambda _: cluster.generate(messages=QUESTION, max_tokens=32, draft="truncated:4",
+                                                         gamma=4), range(n)))
+    after = cluster.stats()
+    assert all(r.token_ids == hf_ref for r in results)
+    assert sum(r.coalesced for r in results) == after.coalesced_total - before.coalesced_total
+    assert after.coalesced_total - before.coalesced_total >= 1  # at least one caller joined another's run
+    # one generation's worth of tokens per coalesced group, not n
+    assert after.tokens_total - before.tokens_total == (n - sum(r.coalesced for r in results)) * len(hf_ref)
+
+
+def test_cancelled_stream_frees_kv_on_verifier_and_draft(cluster):
+    it = cluster.stream(prompt="Count from one to one hundred:", max_tokens=128, draft="truncated:4", gamma=2)
+    first = next(it)
+    assert first.token_ids
+    reps = verifier_stats(cluster)
+    assert reps["verifier"].kv_slots_in_use == 1
+    it.close()  # client cancellation
+    reps = wait_kv_free(cluster)
+    assert {r.role for r in reps} == {"verifier", "draft"}
+
+
+def test_deadline_stops_the_sequence_and_frees_kv(cluster):
+    t0 = time.time()
+    with pytest.raises(DeadlineExceeded):
+        r = cluster.generate(prompt="Count from one to one hundred: one, two,", max_tokens=128,
+                             draft="truncated:4", timeout=0.5)
+        print("finished in", time.time() - t0, r.finish_reason, len(r.token_ids))
+    wait_kv_free(cluster)
+    assert cluster.generate(prompt="The sky is", max_tokens=3).token_ids
+
+
+def test_overload_is_resource_exhausted_and_others_complete(cluster):
+    """max_queue = 3: a burst of 8 distinct requests gets RESOURCE_EXHAUSTED for the excess,
+    and every admitted request still completes in full."""
+    def one(i):
+        try:
+            return cluster.generate(prompt=f"Story number {i}: once upon a time", max_tokens=24, draft="none")
+        except ResourceExhausted as e:
+            return e
+    with cf.ThreadPoolExecutor(8) as ex:
+        out = list(ex.map(one, range(8)))
+    rejected = [o for o in out if isinstance(o, ResourceExhausted)]
+    done = [o for o in out if not isinstance(o, ResourceExhausted)]
+    assert rejected and done
+    assert all("router.max_queue = 3" in e.details for e in rejected)
+    assert all(len(r.token_ids) == 24 for r in done)
+
+
+def test_lost_draft_replica_is_resynced_and_output_identical(cluster, hf_ref):
+    """Kill the Draft replica mid-stream: the verifier re-sends the sequence's committed tokens
+    to a fresh replica and the greedy output stays identical."""
+    it = cluster.stream(messages=QUESTION, max_tokens=32, draft="truncated:4", gamma=2)
+    got = list(next(it).token_ids)
+    name = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                if "Draft-truncated-4" in a["name"])
+    ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+    for chunk in it:
+        got += chunk.token_ids
+    assert got == hf_ref
