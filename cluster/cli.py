@@ -4,6 +4,8 @@
   specd generate --local ...        decode in-process (no Ray), streaming text or --json
   specd bench --local ...           side-by-side benchmark (see cluster/bench.py)
   specd demo                        stream a few answers, then tokens/s, α and the speedup over γ=0
+  specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
+  specd generate --address H:P ...  generate through a running cluster with the client SDK
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text")
     g.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
+    g.add_argument("--address", help="HOST:PORT of a running `specd serve` (gRPC)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--messages-json", help='chat messages, e.g. \'[{"role":"user","content":"hi"}]\'')
@@ -59,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-γ configurations")
     _add_model_args(b)
 
+    sv = sub.add_parser("serve", help="start the cluster (Ray Serve + gRPC) from a config")
+    sv.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
+    sv.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
+
     d = sub.add_parser("demo", help="stream a few answers and print tokens/s, α and the speedup")
     d.add_argument("--draft", default="ngram")
     d.add_argument("--gamma", type=int, default=4)
@@ -70,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo}[args.cmd](args)
+        return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
+                "serve": _serve}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
@@ -83,9 +91,60 @@ def _setup(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from pathlib import Path
+
+    from cluster import serve as S
+    from cluster.config import ClusterConfig
+
+    path = args.config or Path(__file__).parent / "configs" / "local.yaml"
+    cfg = ClusterConfig.load(path)
+    import signal
+
+    def _stop(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, _stop)  # also when started in the background, where SIGINT is ignored
+    signal.signal(signal.SIGTERM, _stop)
+    addr = S.start(cfg, address=args.address)
+    print(f"specd serving {cfg.model} on grpc://{addr} (application {cfg.app_name!r}); Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down ...", flush=True)
+    finally:
+        S.stop()
+    return 0
+
+
+def _generate_remote(args) -> int:
+    from specd_client import SpecdClient
+    from specd_client.errors import SpecdError
+
+    messages = json.loads(args.messages_json) if args.messages_json else None
+    with SpecdClient(args.address) as client:
+        kw = dict(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                  stop=args.stop or None, draft=args.draft, gamma=args.gamma if args.draft != "none" else 0)
+        try:
+            if args.json:
+                r = client.generate(**kw)
+                print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+                                  "stats": r.spec_stats, "coalesced": r.coalesced}))
+            else:
+                for chunk in client.stream(**kw):
+                    print(chunk.text, end="", flush=True)
+                print()
+        except SpecdError as e:
+            raise ValueError(str(e)) from None
+    return 0
+
+
 def _generate(args) -> int:
+    if args.address:
+        return _generate_remote(args)
     if not args.local:
-        raise ValueError("only --local is available so far (the cluster client comes with `specd serve`)")
+        raise ValueError("give --local (in-process engine) or --address HOST:PORT (a running `specd serve`)")
     from actors.build import build_engine, encode_prompt
     from actors.engine import Request, SamplingParams
 
