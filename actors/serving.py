@@ -34,6 +34,14 @@ from .models import load_model
 log = logging.getLogger("specd")
 
 
+def _node_id() -> str:
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return "local"
+
+
 def _replica_id() -> str:
     try:
         from ray import serve
@@ -70,7 +78,7 @@ class DraftServer:
         return self.drafter.num_active()
 
     def stats(self) -> dict:
-        return {"replica_id": self.replica, "role": "draft", "name": self.spec,
+        return {"replica_id": self.replica, "role": "draft", "name": self.spec, "node_id": _node_id(),
                 "active_sequences": self.drafter.num_active(),
                 "kv_slots_in_use": self.drafter.num_active(),
                 "kv_slots_total": getattr(getattr(self.drafter, "cache", None), "slots", 0), "calls": self.calls}
@@ -224,7 +232,8 @@ class VerifierServer:
 
     async def stats(self) -> dict:
         eng = self.engine
-        return {"replica_id": self.replica, "role": "verifier", "active_sequences": len(eng.active),
+        return {"replica_id": self.replica, "role": "verifier", "node_id": _node_id(),
+                "active_sequences": len(eng.active),
                 "queued": len(eng.waiting), "kv_slots_in_use": eng.kv_slots_in_use(),
                 "kv_slots_total": eng.max_batch, "steps": self.steps,
                 "spec": eng.stats.to_dict(),
