@@ -58,6 +58,12 @@ class Autoscaling(_Strict):
     def _bounds(self):
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must be within "
+                             f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must exceed "
+                             f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
     def serve(self) -> dict:
