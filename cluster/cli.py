@@ -3,6 +3,8 @@
   specd setup                       dequantise and cache the embedded model (once)
   specd generate --local ...        decode in-process (no Ray), streaming text or --json
   specd bench --local ...           side-by-side benchmark (see cluster/bench.py)
+  specd bench --address H:P ...     benchmark a running cluster vs the in-process engine and HF
+                                    (see cluster/bench_cluster.py; --serve starts one first)
   specd demo                        stream a few answers, then tokens/s, α and the speedup over γ=0
   specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
   specd generate --address H:P ...  generate through a running cluster with the client SDK
@@ -49,13 +51,25 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark speculative vs plain decoding and Hugging Face")
     b.add_argument("--local", action="store_true", help="benchmark the in-process engine")
-    b.add_argument("--json", dest="json_path", default="out/bench.json")
+    b.add_argument("--address", default=None,
+                   help="HOST:PORT of a running cluster: benchmark it through the SDK (cluster/bench_cluster.py)")
+    b.add_argument("--serve", action="store_true",
+                   help="start a local cluster from --config, benchmark it as with --address, shut it down")
+    b.add_argument("--config", default=None,
+                   help="cluster YAML (--serve starts it; --address reads dtype, threads and draft specs from it; "
+                        "default cluster/configs/local.yaml)")
+    b.add_argument("--concurrency", default="1,4,16", help="--address: concurrent requests per point")
+    b.add_argument("--rounds", type=int, default=1, help="--address: repeats of each concurrency > 1")
+    b.add_argument("--no-inprocess", action="store_true",
+                   help="--address: skip the in-process engine comparison at concurrency 1")
+    b.add_argument("--json", dest="json_path", default=None,
+                   help="default out/bench.json (--local) or out/bench_cluster.json (--address/--serve)")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
     b.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'messages' per line")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--draft", action="append", default=None,
                    help="drafter to compare (repeatable); default: ngram and truncated:4")
-    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--gamma", type=int, default=None, help="default 4 (--local) or the draft's default (--address)")
     b.add_argument("--batch-sizes", default="1,8")
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
@@ -178,9 +192,18 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.address or args.serve:
+        from cluster import bench_cluster
+
+        args.json_path = args.json_path or "out/bench_cluster.json"
+        return bench_cluster.main(args)
     if not args.local:
-        raise ValueError("only --local is available so far (cluster benchmarks come with `specd serve`)")
+        raise ValueError("give --local (in-process engine), --address HOST:PORT (a running cluster) "
+                         "or --serve (start one from --config)")
     from pathlib import Path
+
+    args.json_path = args.json_path or "out/bench.json"
+    args.gamma = 4 if args.gamma is None else args.gamma
 
     from cluster import bench
 

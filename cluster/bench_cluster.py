@@ -1,0 +1,427 @@
+"""`specd bench --address HOST:PORT`: a running cluster, driven through the SDK, against the
+in-process engine and serial Hugging Face `generate` on the same prompts, in one run.
+
+Measured, greedy, on the committed prompt set (or --prompts):
+  cluster      at each concurrency (default 1, 4, 16), speculation on (a draft the cluster
+               serves; default: its default draft) and off (draft "none")
+  in-process   this engine (actors.build.build_engine) at concurrency 1, both modes
+  hf           serial Hugging Face `generate` of the target (cluster.bench._hf_generate)
+Per point: tokens/s (all tokens / wall time of the point), TTFT, inter-token latency
+(p50/p99; a chunk of k tokens that arrived dt after the previous one counts as k gaps of dt/k),
+the gap between stream chunks, α and mean accepted length (from each response's speculation
+stats) and how many responses were coalesced.
+Ratios from the same run: per-token overhead of the cluster against the in-process engine at
+concurrency 1, cluster throughput at each concurrency against serial HF, speculation on/off.
+
+Interleaving, so machine noise hits every side alike: at concurrency 1 each prompt runs
+cluster-spec, in-process-spec, cluster-off, in-process-off, hf back to back (the order reversed
+on every other prompt); higher concurrencies alternate on/off per round.
+Every request at one concurrency level has a distinct prompt, so nothing coalesces unless
+--prompts has fewer lines than the concurrency (the report counts coalesced responses).
+The in-process engine runs with the verifier's torch thread count (from the cluster config),
+HF with every core: the baseline gets the whole machine.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import time
+import uuid
+from pathlib import Path
+
+from .bench import DEFAULT_PROMPTS, load_prompts
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
+
+
+# ---------------------------------------------------------------------------------- statistics
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _record(t_send: float, arrivals: list[tuple[float, int]], token_ids: list[int], stats: dict | None,
+            coalesced: bool) -> dict:
+    """One request: arrivals = [(time, tokens in that chunk)]."""
+    arrivals = [(t, n) for t, n in arrivals if n > 0]
+    itl, gaps = [], []
+    for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
+        gaps.append(t1 - t0)
+        itl += [(t1 - t0) / n] * n
+    return {"start": t_send, "end": arrivals[-1][0] if arrivals else t_send,
+            "ttft": arrivals[0][0] - t_send if arrivals else None, "itl": itl, "gaps": gaps,
+            "tokens": len(token_ids), "token_ids": token_ids, "stats": stats or {}, "coalesced": coalesced}
+
+
+def summarize(records: list[dict], wall: float | None = None) -> dict:
+    """Aggregate request records of one point. wall: the point's wall time (else first start to
+    last end)."""
+    tokens = sum(r["tokens"] for r in records)
+    if wall is None:
+        wall = max(r["end"] for r in records) - min(r["start"] for r in records)
+    ttft = [r["ttft"] for r in records if r["ttft"] is not None]
+    itl = [x for r in records for x in r["itl"]]
+    gaps = [x for r in records for x in r["gaps"]]
+    st = [r["stats"] for r in records]
+    drafted = sum(s.get("draft_tokens", 0) for s in st)
+    accepted = sum(s.get("accepted_tokens", 0) for s in st)
+    drafts = sum(s.get("drafts", 0) for s in st)
+    # per position: each request's ratios weighted by its drafting steps (exact for a fixed γ)
+    width = max((len(s.get("acceptance_per_position", [])) for s in st), default=0)
+    per_pos = []
+    for j in range(width):
+        w = [(s.get("drafts", 0), s["acceptance_per_position"][j]) for s in st
+             if len(s.get("acceptance_per_position", [])) > j]
+        tot = sum(x for x, _ in w)
+        per_pos.append(sum(x * a for x, a in w) / tot if tot else 0.0)
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    return {"requests": len(records), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "ttft_ms": {"mean": ms(sum(ttft) / len(ttft)) if ttft else None, "p50": ms(_pct(ttft, 50)),
+                        "p99": ms(_pct(ttft, 99))},
+            "itl_ms": {"p50": ms(_pct(itl, 50)), "p99": ms(_pct(itl, 99))},
+            "chunk_gap_ms": {"p50": ms(_pct(gaps, 50)), "p99": ms(_pct(gaps, 99))},
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_position": per_pos,
+            "coalesced": sum(r["coalesced"] for r in records)}
+
+
+# ---------------------------------------------------------------------------------- the three sides
+def _prompt_kwargs(p: dict) -> dict:
+    return {"prompt": p["prompt"]} if "prompt" in p else {"messages": p["messages"]}
+
+
+def cluster_request(client, p: dict, max_tokens: int, draft: str, gamma: int) -> dict:
+    arrivals, ids, stats, coalesced = [], [], None, False
+    t0 = time.perf_counter()
+    for chunk in client.stream(**_prompt_kwargs(p), max_tokens=max_tokens, temperature=0.0, draft=draft,
+                               gamma=gamma if draft != "none" else 0, request_id=uuid.uuid4().hex):
+        arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+        ids += chunk.token_ids
+        coalesced = coalesced or chunk.coalesced
+        if chunk.spec_stats is not None:
+            stats = chunk.spec_stats
+    return _record(t0, arrivals, ids, stats, coalesced)
+
+
+def cluster_point(client, prompts: list[dict], concurrency: int, max_tokens: int, draft: str, gamma: int,
+                  bar=None) -> tuple[list[dict], float]:
+    """All `prompts` through the cluster with `concurrency` requests in flight."""
+    def one(p):
+        r = cluster_request(client, p, max_tokens, draft, gamma)
+        if bar is not None:
+            bar.update(1)
+        return r
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        recs = list(ex.map(one, prompts))
+    return recs, time.perf_counter() - t0
+
+
+class InProcess:
+    """The same target (and draft) in this process, one request at a time."""
+
+    def __init__(self, model: str, draft_spec: str | None, dtype: str, max_len: int):
+        from actors.build import build_engine
+
+        self.built = build_engine(model, [draft_spec] if draft_spec else [], dtype, max_batch=1, max_len=max_len)
+        self.tok = self.built.target.tokenizer
+        self.eos = sorted(self.built.target.eos_token_ids)
+
+    def encode(self, p: dict) -> list[int]:
+        from actors.build import encode_prompt
+
+        if self.tok is None:  # tiny test models: prompts are space-separated token ids (as the router reads them)
+            return [int(t) for t in p["prompt"].split()]
+        return encode_prompt(self.tok, prompt=p.get("prompt"), messages=p.get("messages"))
+
+    def request(self, ids: list[int], max_tokens: int, draft: str | None, gamma: int) -> dict:
+        from actors.engine import Request, SamplingParams
+
+        eng = self.built.engine
+        req = Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=max_tokens), draft, gamma if draft else 0)
+        arrivals = []
+        t0 = time.perf_counter()
+        eng.add_request(req)
+        while eng.has_work():
+            for out in eng.step():
+                arrivals.append((time.perf_counter(), len(out.token_ids)))
+        seq = eng.finished.pop(req.request_id)
+        return _record(t0, arrivals, seq.output, seq.stats.to_dict(), False)
+
+    def hf(self, ids: list[int], max_tokens: int, threads: int | None) -> dict:
+        import torch
+
+        from .bench import _hf_generate
+
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            out = _hf_generate(self.built.target.model, self.tok, [ids], max_tokens, self.eos)[0]
+            t1 = time.perf_counter()
+        finally:
+            torch.set_num_threads(before)
+        return {"start": t0, "end": t1, "ttft": None, "itl": [], "gaps": [], "tokens": len(out),
+                "token_ids": out, "stats": {}, "coalesced": False}
+
+
+# ---------------------------------------------------------------------------------- the run
+def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: int | None = None,
+        max_tokens: int = 64, prompts_path=None, limit: int | None = 16, config_path=None,
+        inprocess: bool = True, hf: bool = True, rounds: int = 1, progress: bool = True,
+        timeout: float = 600.0) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from specd_client import SpecdClient
+
+    from .config import ClusterConfig
+
+    cfg = ClusterConfig.load(config_path or DEFAULT_CONFIG)  # dtype, threads, draft specs of the cluster
+    prompts = load_prompts(prompts_path)[:limit]
+    conc = sorted(set(int(c) for c in concurrency))
+    client = SpecdClient(address, timeout=timeout)
+    try:
+        end = time.time() + 120
+        while True:
+            try:
+                if client.health() == "SERVING":
+                    break
+            except Exception:
+                if time.time() > end:
+                    raise
+            time.sleep(0.5)
+        info = client.list_models()
+        names = [d.name for d in info.drafts]
+        draft = draft or info.default_draft or (names[0] if names else "none")
+        if draft != "none" and draft not in names:
+            raise ValueError(f"--draft {draft!r}: the cluster serves {names}")
+        if gamma is None:
+            gamma = next((d.default_gamma for d in info.drafts if d.name == draft), 4)
+        spec = cfg.draft(draft).spec if draft in [d.name for d in cfg.drafts] else draft
+        modes = [("spec", draft)] + ([("off", "none")] if draft != "none" else [])
+        threads_engine = cfg.verifier.torch_threads
+        threads_hf = torch.get_num_threads()
+
+        local = None
+        if inprocess or hf:
+            local = InProcess(info.target, spec if draft != "none" else None, cfg.dtype, cfg.max_len)
+            local_ids = [local.encode(p) for p in prompts]
+            torch.set_num_threads(threads_engine)
+
+        n_req = sum(len(prompts) * len(modes) * (rounds if c != 1 else 1) for c in conc)
+        if 1 in conc:
+            n_req += len(prompts) * (len(modes) * inprocess + hf)
+        bar = tqdm(total=n_req, desc="bench --address", unit="req", disable=not progress)
+
+        # warm-up, untimed: first calls allocate (cluster replicas, this process's engine, HF)
+        for _, d in modes:
+            cluster_request(client, prompts[0], 8, d, gamma)
+            if inprocess:
+                local.request(local_ids[0], 8, d if d != "none" else None, gamma)
+        if hf:
+            local.hf(local_ids[0], 8, threads_hf)
+
+        points: dict[tuple, dict] = {}  # (side, concurrency, mode) -> {"records", "wall"}
+
+        def add(key, recs, wall=None):
+            pt = points.setdefault(key, {"records": [], "wall": 0.0})
+            pt["records"] += recs
+            pt["wall"] += wall if wall is not None else sum(r["end"] - r["start"] for r in recs)
+
+        if 1 in conc:  # interleaved per prompt: cluster vs in-process vs hf, spec vs off
+            for i, p in enumerate(prompts):
+                steps = []
+                for mode, d in modes:
+                    steps.append((("cluster", 1, mode), lambda d=d: cluster_request(client, p, max_tokens, d, gamma)))
+                    if inprocess:
+                        steps.append((("in-process", 1, mode), lambda d=d: local.request(
+                            local_ids[i], max_tokens, d if d != "none" else None, gamma)))
+                if hf:
+                    steps.append((("hf", 1, "off"), lambda: local.hf(local_ids[i], max_tokens, threads_hf)))
+                for key, fn in (steps if i % 2 == 0 else steps[::-1]):
+                    add(key, [fn()])
+                    bar.update(1)
+        for c in conc:
+            if c == 1:
+                continue
+            for rnd in range(rounds):
+                for mode, d in (modes if rnd % 2 == 0 else modes[::-1]):
+                    recs, wall = cluster_point(client, prompts, c, max_tokens, d, gamma, bar)
+                    add(("cluster", c, mode), recs, wall)
+        bar.close()
+    finally:
+        client.close()
+
+    results = []
+    for (side, c, mode), pt in points.items():
+        row = {"side": side, "concurrency": c, "mode": mode,
+               "draft": "none" if mode == "off" else draft, **summarize(pt["records"], pt["wall"])}
+        results.append(row)
+    get = {(r["side"], r["concurrency"], r["mode"]): r for r in results}
+
+    # greedy sanity: the cluster's tokens against the in-process engine's, prompt by prompt
+    def outputs(key):
+        return [r["token_ids"] for r in points[key]["records"]] if key in points else None
+    agree = {}
+    for mode, _ in modes:
+        a, b = outputs(("cluster", 1, mode)), outputs(("in-process", 1, mode))
+        if a and b:
+            agree[mode] = sum(x == y for x, y in zip(a, b)) / len(a)
+
+    ratios: dict = {"cluster_vs_inprocess_c1": {}, "vs_hf_serial": {}, "spec_vs_off": {}}
+    for mode, _ in modes:
+        cl, ip = get.get(("cluster", 1, mode)), get.get(("in-process", 1, mode))
+        if cl and ip and cl["tokens_per_s"] and ip["tokens_per_s"]:
+            ratios["cluster_vs_inprocess_c1"][mode] = {
+                "tokens_per_s_ratio": cl["tokens_per_s"] / ip["tokens_per_s"],
+                "per_token_overhead": ip["tokens_per_s"] / cl["tokens_per_s"],  # cluster s/token over in-process
+                "loss": 1 - cl["tokens_per_s"] / ip["tokens_per_s"]}
+    h = get.get(("hf", 1, "off"))
+    for r in results:
+        if h and h["tokens_per_s"] and r["side"] == "cluster":
+            ratios["vs_hf_serial"][f"c{r['concurrency']}-{r['mode']}"] = r["tokens_per_s"] / h["tokens_per_s"]
+        if r["mode"] == "spec":
+            off = get.get((r["side"], r["concurrency"], "off"))
+            if off and off["tokens_per_s"]:
+                ratios["spec_vs_off"][f"{r['side']}-c{r['concurrency']}"] = r["tokens_per_s"] / off["tokens_per_s"]
+    goals = {}
+    c1 = ratios["cluster_vs_inprocess_c1"]
+    if c1:
+        goals["c1_cluster_loses_le_10pct"] = {m: v["loss"] <= 0.10 for m, v in c1.items()}
+    top = max(conc)
+    best = max((get[k]["tokens_per_s"] for k in get if k[0] == "cluster" and k[1] == top), default=None)
+    if h and best is not None and h["tokens_per_s"]:
+        goals[f"c{top}_ge_5x_serial_hf"] = {"ratio": best / h["tokens_per_s"], "met": best / h["tokens_per_s"] >= 5}
+
+    for r in results:  # token ids stay out of the JSON
+        r.pop("token_ids", None)
+    return {"address": address, "target": info.target, "dtype": cfg.dtype, "draft": draft, "draft_spec": spec,
+            "gamma": gamma, "max_tokens": max_tokens, "prompts": len(prompts),
+            "prompt_file": str(prompts_path or DEFAULT_PROMPTS), "concurrency": conc, "rounds": rounds,
+            "threads": {"in_process": threads_engine, "hf": threads_hf},
+            "results": sorted(results, key=lambda r: (r["side"] != "cluster", r["concurrency"], r["side"],
+                                                      r["mode"])),
+            "ratios": ratios, "goals": goals, "greedy_agreement_cluster_vs_inprocess_c1": agree}
+
+
+# ---------------------------------------------------------------------------------- output
+def render(report: dict) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(record=True, width=150)
+    t = Table(title=f"specd bench --address {report['address']}  ({report['target']}, {report['dtype']}, "
+                    f"draft {report['draft']} γ={report['gamma']}, {report['prompts']} prompts, "
+                    f"≤{report['max_tokens']} new tokens, greedy)")
+    for col in ("side", "conc", "mode", "req", "tokens", "tok/s", "TTFT p50", "TTFT p99", "ITL p50",
+                "ITL p99", "α", "mean acc. len", "coalesced"):
+        t.add_column(col, justify="left" if col in ("side", "mode") else "right")
+    f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    for r in report["results"]:
+        t.add_row(r["side"], str(r["concurrency"]), r["mode"] if r["mode"] == "off" else f"{r['draft']}",
+                  str(r["requests"]), str(r["tokens"]), f(r["tokens_per_s"], ".1f"),
+                  f(r["ttft_ms"]["p50"], ".0f"), f(r["ttft_ms"]["p99"], ".0f"), f(r["itl_ms"]["p50"], ".1f"),
+                  f(r["itl_ms"]["p99"], ".1f"), f(r["acceptance_rate"], ".3f"), f(r["mean_accepted_length"], ".2f"),
+                  str(r["coalesced"]))
+    con.print(t)
+    con.print("latencies in ms; ITL: a chunk of k tokens arriving dt after the previous counts as k gaps of dt/k")
+    ra = report["ratios"]
+    for mode, v in ra["cluster_vs_inprocess_c1"].items():
+        con.print(f"concurrency 1, {mode}: cluster {v['tokens_per_s_ratio']:.2f}× the in-process engine's tokens/s "
+                  f"(per-token overhead {v['per_token_overhead']:.2f}×, loss {v['loss']:+.1%})")
+    if ra["vs_hf_serial"]:
+        con.print("cluster vs serial HF generate: "
+                  + ", ".join(f"{k} {v:.2f}×" for k, v in ra["vs_hf_serial"].items()))
+    if ra["spec_vs_off"]:
+        con.print("speculation on vs off: " + ", ".join(f"{k} {v:.2f}×" for k, v in ra["spec_vs_off"].items()))
+    for k, v in report["goals"].items():
+        con.print(f"goal {k}: {v}")
+    if report["greedy_agreement_cluster_vs_inprocess_c1"]:
+        con.print("greedy outputs identical to the in-process engine at concurrency 1: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in report["greedy_agreement_cluster_vs_inprocess_c1"].items()))
+    return con.export_text()
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = report["results"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = {"spec": "#2a7", "off": "#36c"}
+    for mode in ("spec", "off"):
+        cl = sorted((r for r in rs if r["side"] == "cluster" and r["mode"] == mode), key=lambda r: r["concurrency"])
+        if not cl:
+            continue
+        label = f"cluster, {report['draft']}" if mode == "spec" else "cluster, no draft"
+        xs = [r["concurrency"] for r in cl]
+        a1.plot(xs, [r["tokens_per_s"] for r in cl], "o-", color=colors[mode], label=label)
+        a2.plot(xs, [r["ttft_ms"]["p50"] for r in cl], "o-", color=colors[mode], label=f"TTFT p50, {mode}")
+        a2.plot(xs, [r["itl_ms"]["p50"] for r in cl], "s--", color=colors[mode], label=f"ITL p50, {mode}")
+        a2.plot(xs, [r["itl_ms"]["p99"] for r in cl], "^:", color=colors[mode], label=f"ITL p99, {mode}")
+        ip = [r for r in rs if r["side"] == "in-process" and r["mode"] == mode]
+        if ip:
+            a1.plot([1], [ip[0]["tokens_per_s"]], "D", color=colors[mode], mfc="none", ms=9,
+                    label=f"in-process engine, {mode}")
+    h = [r for r in rs if r["side"] == "hf"]
+    if h:
+        a1.axhline(h[0]["tokens_per_s"], color="#999", ls="--", label="serial HF generate")
+        a1.axhline(5 * h[0]["tokens_per_s"], color="#c66", ls=":", label="5× serial HF")
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(report["concurrency"], [str(c) for c in report["concurrency"]])
+        ax.set_xlabel("concurrent requests")
+        ax.legend(fontsize=7)
+    a1.set_ylabel("tokens/s (all requests)")
+    a1.set_ylim(bottom=0)
+    a1.set_title("throughput")
+    a2.set_yscale("log")
+    a2.set_ylabel("ms")
+    a2.set_title("latency")
+    fig.suptitle(f"specd cluster at {report['address']}: {report['target']} ({report['dtype']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """`specd bench --address HOST:PORT` or `specd bench --serve [--config FILE]` (cluster/cli.py)."""
+    from . import serve as S
+    from .config import ClusterConfig
+
+    started = False
+    address = args.address
+    config_path = args.config or DEFAULT_CONFIG
+    if args.serve:
+        address = S.start(ClusterConfig.load(config_path))
+        started = True
+        print(f"started a local cluster from {config_path} on grpc://{address}", flush=True)
+    try:
+        draft = args.draft[0] if args.draft else None
+        report = run(address, tuple(int(x) for x in args.concurrency.split(",")), draft, args.gamma,
+                     args.max_tokens, args.prompts, args.limit if args.limit is not None else 16, config_path,
+                     inprocess=not args.no_inprocess, hf=not args.no_hf, rounds=args.rounds)
+    finally:
+        if started:
+            S.stop()
+    text = render(report)
+    print(text)
+    out = Path(args.json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    out.with_suffix(".txt").write_text(text)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(report, args.plot)
+    print(f"wrote {out}, {out.with_suffix('.txt')}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
