@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -49,11 +51,29 @@ def build_app(cfg: ClusterConfig):
     return router
 
 
-def app_builder(args: dict):
-    """`serve run cluster.app:app_builder config=PATH` (or inline keys of the config)."""
+def _resolve(path: str | None) -> Path | None:
+    """A config path as given, else relative to the project root (a RayService's working
+    directory is not the repository's)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    rooted = Path(__file__).resolve().parent.parent / p
+    return rooted if rooted.exists() else p
+
+
+def config_from_args(args: dict | None) -> ClusterConfig:
+    """The ClusterConfig that `app_builder` deploys for these Serve `args`: `config` (a YAML path)
+    and/or inline top-level keys of the config, which override the file's."""
     args = dict(args or {})
-    path = args.pop("config", None)
-    cfg = ClusterConfig.load(path)
+    cfg = ClusterConfig.load(_resolve(args.pop("config", None)))
     if args:
         cfg = ClusterConfig.model_validate({**cfg.model_dump(mode="json"), **args})
-    return build_app(cfg)
+    return cfg
+
+
+def app_builder(args: dict):
+    """`serve run cluster.app:app_builder config=PATH` (or inline keys of the config); the import
+    path of the KubeRay RayService in k8s/."""
+    return build_app(config_from_args(args))
