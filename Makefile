@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo test bench protos clean
+.PHONY: setup demo demo-local test bench bench-cluster protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,14 +20,22 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# the cluster on the embedded models (cluster/configs/local.yaml): stream answers through the SDK, shut down
 demo: $(STAMP)
 	$(BIN)/specd demo
+
+demo-local: $(STAMP)
+	$(BIN)/specd demo --local
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/specd bench --local --json out/bench.json --plot out/bench.png
+
+# starts a local cluster, benchmarks it through the SDK against the in-process engine and HF, stops it
+bench-cluster: $(STAMP)
+	$(BIN)/specd bench --serve --json out/bench_cluster.json --plot out/bench_cluster.png
 
 protos: $(STAMP)
 	$(BIN)/python protos/regen.py

@@ -5,7 +5,8 @@
   specd bench --local ...           side-by-side benchmark (see cluster/bench.py)
   specd bench --address H:P ...     benchmark a running cluster vs the in-process engine and HF
                                     (see cluster/bench_cluster.py; --serve starts one first)
-  specd demo                        stream a few answers, then tokens/s, α and the speedup over γ=0
+  specd demo                        start the cluster (local.yaml), stream a few answers through the SDK,
+                                    tokens/s and α per draft, shut down (--local: in-process, no Ray)
   specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
   specd generate --address H:P ...  generate through a running cluster with the client SDK
 """
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=1, help="--address: repeats of each concurrency > 1")
     b.add_argument("--no-inprocess", action="store_true",
                    help="--address: skip the in-process engine comparison at concurrency 1")
+    b.add_argument("--no-match-niceness", action="store_true",
+                   help="--address on this machine: keep this process's niceness (default: match Ray's workers)")
     b.add_argument("--json", dest="json_path", default=None,
                    help="default out/bench.json (--local) or out/bench_cluster.json (--address/--serve)")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
@@ -80,8 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
     sv.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
 
-    d = sub.add_parser("demo", help="stream a few answers and print tokens/s, α and the speedup")
-    d.add_argument("--draft", default="ngram")
+    d = sub.add_parser("demo", help="start the cluster, stream a few answers through the SDK, print tokens/s "
+                                    "and acceptance, shut down (--local: the in-process engine instead)")
+    d.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
+    d.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
+    d.add_argument("--draft", default="ngram", help="draft for the streamed answers")
     d.add_argument("--gamma", type=int, default=4)
     d.add_argument("--max-tokens", type=int, default=80)
     _add_model_args(d)
@@ -229,6 +235,99 @@ DEMO_QUESTIONS = [
 
 
 def _demo(args) -> int:
+    return _demo_local(args) if args.local else _demo_cluster(args)
+
+
+def _demo_cluster(args) -> int:
+    """Start the cluster from the config, stream answers through the SDK, time every draft against
+    none (interleaved), one concurrent burst, then shut the cluster down."""
+    import concurrent.futures as cf
+    import signal
+    from pathlib import Path
+
+    from cluster import serve as S
+    from cluster.config import ClusterConfig
+    from specd_client import SpecdClient
+
+    path = args.config or Path(__file__).parent / "configs" / "local.yaml"
+    cfg = ClusterConfig.load(path).model_copy(update={"grpc_port": 0, "http_port": 0})  # free ports: self-contained
+    if args.draft != "none" and args.draft not in [d.name for d in cfg.drafts]:
+        raise ValueError(f"--draft {args.draft!r}: {path} serves {['none', *[d.name for d in cfg.drafts]]}")
+
+    def _stop(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
+    print(f"[specd demo] starting the cluster from {path}: {cfg.model} ({cfg.dtype}), drafts "
+          f"{', '.join(d.name for d in cfg.drafts)} ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        addr = S.start(cfg)
+        with SpecdClient(addr, timeout=300) as client:
+            while True:
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except Exception:
+                    if time.perf_counter() - t0 > 300:
+                        raise
+                time.sleep(0.5)
+            roles = [f"{r.role} {r.replica_id.split('#')[-1]}" for r in client.stats().replicas]
+            print(f"[specd demo] serving on grpc://{addr} after {time.perf_counter() - t0:.0f} s "
+                  f"(replicas: {', '.join(roles)})", flush=True)
+            msgs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+
+            def one(i: int, draft: str, show: bool = False) -> tuple[int, float, dict | None]:
+                n, stats = 0, None
+                t = time.perf_counter()
+                for chunk in client.stream(messages=msgs[i], max_tokens=args.max_tokens, draft=draft,
+                                           gamma=args.gamma if draft != "none" else 0):
+                    n += len(chunk.token_ids)
+                    stats = chunk.spec_stats or stats
+                    if show:
+                        print(chunk.text, end="", flush=True)
+                return n, time.perf_counter() - t, stats
+
+            for i, q in enumerate(DEMO_QUESTIONS):
+                print(f"\n>>> {q}\n", flush=True)
+                n, dt, st = one(i, args.draft, show=True)
+                acc = f", α={st['acceptance_rate']:.2f}" if st and st.get("draft_tokens") else ""
+                print(f"\n[{n} tokens in {dt:.1f} s, {n / dt:.1f} tok/s, draft {args.draft}{acc}]", flush=True)
+
+            drafts = ["none"] + [d.name for d in cfg.drafts]
+            print(f"\n[specd demo] timing the questions through the cluster with drafts {', '.join(drafts)}, "
+                  "interleaved ...", flush=True)
+            tot = {d: [0, 0.0, 0, 0, 0] for d in drafts}  # tokens, seconds, drafted, accepted, draft steps
+            for i in range(len(DEMO_QUESTIONS)):
+                for d in (drafts if i % 2 == 0 else drafts[::-1]):
+                    n, dt, st = one(i, d)
+                    st = st or {}
+                    for k, v in enumerate((n, dt, st.get("draft_tokens", 0), st.get("accepted_tokens", 0),
+                                           st.get("drafts", 0))):
+                        tot[d][k] += v
+            base = tot["none"][0] / tot["none"][1]
+            for d in drafts:
+                n, dt, drafted, acc, steps = tot[d]
+                line = f"  {d:>14}: {n / dt:6.1f} tok/s  ({n / dt / base:.2f}× no draft)"
+                if drafted:
+                    line += f"  α={acc / drafted:.2f}, mean accepted length {1 + acc / steps:.2f}"
+                print(line, flush=True)
+            t = time.perf_counter()
+            with cf.ThreadPoolExecutor(len(DEMO_QUESTIONS)) as ex:
+                burst = list(ex.map(lambda i: one(i, args.draft), range(len(DEMO_QUESTIONS))))
+            dt = time.perf_counter() - t
+            n = sum(b[0] for b in burst)
+            print(f"  all {len(burst)} questions at once ({args.draft}): {n / dt:.1f} tok/s in total "
+                  f"(continuous batching in the verifier)", flush=True)
+    except KeyboardInterrupt:
+        print("\n[specd demo] interrupted", flush=True)
+    finally:
+        print("[specd demo] shutting the cluster down ...", flush=True)
+        S.stop()
+    print("[specd demo] done", flush=True)
+    return 0
+
+
+def _demo_local(args) -> int:
     from actors.build import build_engine, encode_prompt
     from actors.engine import Request, SamplingParams, SpecStats
 

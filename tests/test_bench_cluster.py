@@ -8,6 +8,7 @@ tokens equal the in-process engine's.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -49,13 +50,14 @@ def test_bench_address_report(cluster, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--address", addr, "--config", str(cfg_path), "--prompts", str(prompts),
-               "--concurrency", "1,2", "--max-tokens", "12", "--json", str(out), "--plot", str(png)])
+               "--concurrency", "1,2", "--max-tokens", "12", "--json", str(out), "--plot", str(png),
+               "--no-match-niceness"])  # the default would renice the whole test session
     assert rc == 0
     rep = json.loads(out.read_text())
     assert png.stat().st_size > 1000 and out.with_suffix(".txt").read_text().strip()
 
     assert rep["target"] == "tiny" and rep["draft"] == "ngram" and rep["gamma"] == 3
-    assert rep["concurrency"] == [1, 2] and rep["prompts"] == 2
+    assert rep["concurrency"] == [1, 2] and rep["prompts"] == 2 and rep["niceness"] == os.nice(0)
     points = {(r["side"], r["concurrency"], r["mode"]) for r in rep["results"]}
     assert points == {("cluster", 1, "spec"), ("cluster", 1, "off"), ("cluster", 2, "spec"), ("cluster", 2, "off"),
                       ("in-process", 1, "spec"), ("in-process", 1, "off"), ("hf", 1, "off")}
@@ -84,3 +86,20 @@ def test_bench_address_report(cluster, tmp_path):
     assert "c2_ge_5x_serial_hf" in rep["goals"] and "c1_cluster_loses_le_10pct" in rep["goals"]
     # the same engine code on both sides, fp32, batch 1: identical greedy tokens
     assert rep["greedy_agreement_cluster_vs_inprocess_c1"] == {"spec": 1.0, "off": 1.0}
+
+
+def test_summary_statistics_on_known_records():
+    from cluster.bench_cluster import _match_ray_niceness, _record, summarize
+
+    # a request sent at t=0: first chunk (1 token) at 0.1 s, then 3 tokens at 0.4 s, 1 at 0.5 s
+    a = _record(0.0, [(0.1, 1), (0.4, 3), (0.5, 1)], [1, 2, 3, 4, 5],
+                {"drafts": 2, "draft_tokens": 8, "accepted_tokens": 2, "acceptance_per_position": [0.5, 0.5]}, False)
+    b = _record(1.0, [(1.3, 2)], [6, 7], {}, True)
+    s = summarize([a, b], wall=2.0)
+    assert s["tokens"] == 7 and s["tokens_per_s"] == 3.5 and s["coalesced"] == 1
+    assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["mean"] == pytest.approx(200)
+    assert a["itl"] == pytest.approx([0.1, 0.1, 0.1, 0.1])  # 0.3 s over 3 tokens, then 0.1 s for 1
+    assert s["itl_ms"]["p50"] == pytest.approx(100) and s["chunk_gap_ms"]["p99"] == pytest.approx(299, abs=1)
+    assert s["acceptance_rate"] == 0.25 and s["mean_accepted_length"] == 2.0
+    assert s["acceptance_per_position"] == [0.5, 0.5]
+    assert _match_ray_niceness("10.1.2.3:9000") == os.nice(0)  # a remote cluster: nothing to match
