@@ -24,7 +24,7 @@ from specd_client import SpecdClient
 
 DRAFT = "truncated:2"
 DRAFT_DEPLOYMENT = "Draft-truncated-2"
-SHORT, LONG = 48, 400  # new tokens; a remote-draft LONG request streams for many seconds
+SHORT, LONG = 48, 600  # new tokens; a remote-draft LONG request streams for many seconds
 FAST = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1.0, "downscale_delay_s": 2.0,
         "metrics_interval_s": 0.25, "look_back_period_s": 1.0}
 N_LOAD, N_LONG = 16, 4
