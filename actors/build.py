@@ -4,13 +4,17 @@ Draft specs (one name space for the CLI, the bench and, later, the cluster confi
   "none"           speculation off
   "ngram[:N]"      prompt lookup with n-grams up to N (default 3)
   "truncated:K"    the target's first K layers + its final norm and LM head (shared weights)
-  PATH             a separate draft model: any local Hugging Face llama-family directory
+  PATH             a separate draft model: any local Hugging Face llama-family directory, or a
+                   checkpoint written by `specd distill` (EAGLE head, trained truncated or small model)
+  "default"        the distilled draft shipped for the target (see DEFAULT_DRAFTS)
 
 Also owns prompt encoding (plain text, or chat messages through the chat template).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,7 +22,66 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from .llama import LlamaRunner
-from .models import LoadedModel, check_draft_compatible, load_model
+from .models import LoadedModel, check_draft_compatible, load_model, vocab_fingerprint
+
+# Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
+DEFAULT_DRAFT_ROOT = Path(__file__).parent / "default_drafts"
+DEFAULT_DRAFTS = {"SmolLM2-135M-Instruct": "smollm2-eagle"}
+DRAFT_META = "specd_draft.json"
+
+
+def resolve_draft(spec: str, target_name: str = "SmolLM2-135M-Instruct") -> str:
+    """'default' -> the shipped draft directory for this target; other specs unchanged."""
+    if spec != "default":
+        return spec
+    sub = DEFAULT_DRAFTS.get(target_name)
+    if sub is None or not (DEFAULT_DRAFT_ROOT / sub / DRAFT_META).exists():
+        raise ValueError(f"no default draft ships for target {target_name!r} "
+                         f"(defaults exist for {sorted(DEFAULT_DRAFTS)}); train one with `specd distill`")
+    return str(DEFAULT_DRAFT_ROOT / sub)
+
+
+def draft_meta(spec: str) -> dict | None:
+    """The metadata of a `specd distill` checkpoint, or None for other specs."""
+    try:
+        path = Path(resolve_draft(spec)) / DRAFT_META
+    except ValueError:
+        return None
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def spec_wants_hidden(spec: str) -> bool:
+    """Whether the draft reads the target's hidden states (a feature-level head)."""
+    meta = draft_meta(spec)
+    return bool(meta and meta.get("kind") == "eagle")
+
+
+def load_distilled(path: str, target: LoadedModel, max_batch: int, max_len: int) -> Drafter:
+    """A drafter from a `specd distill` checkpoint, refused unless it was trained for this
+    target's vocabulary."""
+    from .drafters.eagle import EagleDrafter, EagleHead
+
+    meta = json.loads((Path(path) / DRAFT_META).read_text())
+    want, have = meta.get("vocab_fingerprint"), vocab_fingerprint(target)
+    if want != have:
+        raise ValueError(f"draft {path!r} was trained for a target with vocabulary {want}, this target "
+                         f"{target.name!r} has {have}: a draft must share the target's tokenizer")
+    if meta["kind"] == "eagle":
+        head = EagleHead.load(path, target.model)
+        if head.embed.shape[1] != target.model.config.hidden_size:
+            raise ValueError(f"draft {path!r}: hidden size does not match the target's")
+        return EagleDrafter(head, meta.get("name", path), max_batch=max_batch, max_len=max_len)
+    if meta["kind"] == "model":
+        from safetensors.torch import load_file
+
+        draft = load_model(path, next(target.model.parameters()).dtype)
+        vmap_file = Path(path) / "vocab_map.safetensors"
+        vmap = load_file(str(vmap_file))["vocab_map"] if vmap_file.exists() else None
+        if vmap is None:
+            check_draft_compatible(target, draft)
+        return ModelDrafter(LlamaRunner(draft.model), meta.get("name", path), max_batch=max_batch,
+                            max_len=max_len, vocab_map=vmap, vocab_size=target.model.config.vocab_size)
+    raise ValueError(f"draft {path!r}: unknown checkpoint kind {meta['kind']!r}")
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -37,6 +100,9 @@ def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
             raise ValueError(f"draft {spec!r}: truncated:K needs an integer K") from None
         d = ModelDrafter.truncated(target.model, k, max_batch=max_batch, max_len=max_len)
         return d
+    path = resolve_draft(spec, target.name)
+    if (Path(path) / DRAFT_META).exists():
+        return load_distilled(path, target, max_batch, max_len)
     draft = load_model(spec, dtype or next(target.model.parameters()).dtype)
     check_draft_compatible(target, draft)
     return ModelDrafter(LlamaRunner(draft.model), spec, max_batch=max_batch, max_len=max_len)
@@ -49,19 +115,25 @@ class Built:
     drafters: dict[str, Drafter]
 
 
-def build_engine(model: str = "smollm2", drafts: list[str] = (), dtype: str = "bf16",
+def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "bf16",
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
-                 adaptive_gamma: bool = False) -> Built:
+                 adaptive_gamma: bool = False, extra_drafters: dict[str, Drafter] | None = None,
+                 seq_id_base: int = 0) -> Built:
+    """drafts: specs (each served under its own spec as name) or {name: spec}.
+    extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
+    seq_id_base: first drafter-side sequence id (distinct per engine on shared drafters)."""
     target = load_model(model, dtype, device)
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
-    drafters = {}
-    for spec in drafts:
+    named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
+    drafters: dict[str, Drafter] = {}
+    for name, spec in named.items():
         d = make_drafter(spec, target, max_batch, max_len)
         if d is not None:
-            drafters[spec] = d
+            drafters[name] = d
+    drafters.update(extra_drafters or {})
     engine = SpecEngine(LlamaRunner(target.model), drafters, tokenizer=target.tokenizer,
                         eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
-                        adaptive_gamma=adaptive_gamma)
+                        adaptive_gamma=adaptive_gamma, seq_id_base=seq_id_base)
     return Built(engine, target, drafters)
 
 

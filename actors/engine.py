@@ -123,6 +123,8 @@ class _Seq:
     gen: torch.Generator
     draft_keep: int = 0  # tokens of the drafter's view that are still valid
     draft_sent: int = 0  # committed tokens the drafter has been told about
+    hid_len: int = 0  # committed tokens whose target hidden state is in the engine's buffer
+    hid_sent: int = 0  # of those, how many the drafter has received
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""  # detokenised output so far (emitted)
     finish_reason: str | None = None
@@ -160,6 +162,10 @@ class SpecEngine:
         self._next_seq = seq_id_base  # drafter-side ids; distinct per engine when drafters are shared
         self.adaptive_gamma = adaptive_gamma
         self._policy: AdaptiveGamma | None = None  # built on first use (measures the pass cost)
+        # Target hidden states of committed tokens, per slot, for feature-level drafters
+        # (EAGLE heads): they reach the drafter with the rollback information.
+        self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, target.hidden_size, dtype=target.dtype)
+                           if any(d.wants_hidden for d in self.drafters.values()) else None)
 
     @property
     def gamma_policy(self) -> AdaptiveGamma:
@@ -239,6 +245,9 @@ class SpecEngine:
             feed[b, :lens[b]] = torch.tensor(s.tokens, dtype=torch.long)
         hidden = self.target.forward(self.cache, [s.slot for s in new], feed, lens)  # [B, P, E]
         last = hidden[torch.arange(len(new)), torch.tensor(lens) - 1]  # [B, E]
+        if self.hidden_buf is not None:
+            for b, s in enumerate(new):
+                self._keep_hidden(s, hidden[b, :lens[b]])
         logits = self.target.logits(last).float()  # [B, V]
         first = self._sample_one(new, logits)
         # The KV holds the prompt; `first` is committed but not in it: the invariant holds.
@@ -288,9 +297,15 @@ class SpecEngine:
             for b in rows:
                 s = seqs[b]
                 p = s.req.params
-                dseqs.append(DraftSeq(seq_id=s.seq_id, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:],
-                                      gamma=gamma[b], temperature=p.temperature,
-                                      top_k=p.top_k, top_p=p.top_p, seed=s.seed))
+                ds = DraftSeq(seq_id=s.seq_id, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:],
+                              gamma=gamma[b], temperature=p.temperature,
+                              top_k=p.top_k, top_p=p.top_p, seed=s.seed)
+                if drafter.wants_hidden:
+                    ds.hidden_start = s.hid_sent
+                    ds.hidden = self.hidden_buf[s.slot, s.hid_sent:s.hid_len].clone()
+                    ds.hidden_history = self.hidden_buf[s.slot, :s.hid_len]  # for a lost drafter's re-prefill
+                    s.hid_sent = s.hid_len
+                dseqs.append(ds)
             tg = time.perf_counter()
             prop = drafter.propose(dseqs)
             group_s[name] = time.perf_counter() - tg
@@ -357,6 +372,8 @@ class SpecEngine:
             a, k = n_acc_l[b], len(drafts[b])
             # KV now holds [.., last, d_1..d_k]; keep [.., last, d_1..d_a].
             self.cache.truncate(s.slot, starts[b] + 1 + a)
+            if self.hidden_buf is not None:
+                self._keep_hidden(s, hidden[b, :a + 1])
             if k:
                 s.draft_keep += a  # drafter view: committed + k drafts, of which a survive
                 st = s.stats
@@ -372,6 +389,11 @@ class SpecEngine:
             self._commit(s, out_l[b][:a + 1], outputs)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
+
+    def _keep_hidden(self, s: _Seq, h: torch.Tensor) -> None:
+        """Append the target's hidden states of newly committed tokens (all but the last one)."""
+        self.hidden_buf[s.slot, s.hid_len:s.hid_len + len(h)] = h
+        s.hid_len += len(h)
 
     def _room(self, s: _Seq) -> int:
         """Draft no further than the tokens the request may still emit."""

@@ -142,8 +142,8 @@ class LlamaRunner:
         return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, slots: list[int], tokens: torch.Tensor,
-                num_new: list[int] | None = None) -> torch.Tensor:
+    def forward(self, cache: KVCache, slots: list[int], tokens: torch.Tensor | None,
+                num_new: list[int] | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run `tokens` for each row's slot, append their K/V, return final hidden states.
 
         slots: B distinct slot indices. tokens: int64 [B, T]; row b's first
@@ -151,8 +151,10 @@ class LlamaRunner:
         Row b's tokens take positions lengths[slot] .. lengths[slot] + T - 1;
         afterwards lengths[slot] grows by num_new[b].
         Returns the post-norm hidden states [B, T, E]; padded positions hold garbage.
+        embeds [B, T, E], when given, replaces the token embedding lookup (a feature-level
+        draft head feeds its own input vectors); `tokens` may then be None.
         """
-        B, T = tokens.shape
+        B, T = tokens.shape if embeds is None else embeds.shape[:2]
         assert len(slots) == B, f"{len(slots)} slots for {B} rows"
         num_new = [T] * B if num_new is None else num_new
         assert len(num_new) == B and all(0 <= n <= T for n in num_new), f"bad num_new {num_new} for T={T}"
@@ -179,7 +181,7 @@ class LlamaRunner:
         cos = self.cos[positions][:, :, None, :]  # [B, T, 1, D]
         sin = self.sin[positions][:, :, None, :]
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        x = F.embedding(tokens, self.embed)  # [B, T, E]
+        x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
         for li, w in enumerate(self.layers):
             h = _rms_norm(x, w.attn_norm, self.eps)
             qkv = F.linear(h, w.wqkv, w.bqkv)  # [B, T, (H + 2Hkv) D]

@@ -166,3 +166,14 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise ValueError(f"draft {draft.name!r} uses a different tokenizer than target {target.name!r} "
                              "(same size, different token strings): a draft must share the target's tokenizer")
+
+
+def vocab_fingerprint(loaded: LoadedModel) -> str:
+    """A short hash of the token strings (or the vocabulary size for tokenizer-less test models):
+    stored with a trained draft so that loading it beside another target is refused."""
+    import hashlib
+
+    if loaded.tokenizer is None:
+        return f"size:{loaded.model.config.vocab_size}"
+    items = sorted(loaded.tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]

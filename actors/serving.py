@@ -22,11 +22,11 @@ import queue
 import random
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import replace
 
 import torch
 
-from .build import build_engine, make_drafter
+from .build import build_engine, make_drafter, spec_wants_hidden
 from .drafters.base import Drafter, DraftSeq, Proposal, apply_view
 from .engine import Request, SamplingParams
 from .models import load_model
@@ -90,8 +90,9 @@ class RemoteDrafter(Drafter):
     wants_hidden = False
     RETRIES = 3
 
-    def __init__(self, handle, name: str):
+    def __init__(self, handle, name: str, wants_hidden: bool = False):
         self.handle, self.name = handle, name
+        self.wants_hidden = wants_hidden  # the replicas run a feature-level head
         self.pins: dict[int, str] = {}  # seq_id -> draft replica holding its KV
         self.mirror: dict[int, list[int]] = {}  # what that replica's view should be
         self.resyncs = 0
@@ -155,14 +156,16 @@ class RemoteDrafter(Drafter):
 
     def _call(self, pin: str | None, seqs: list[DraftSeq]):
         h = self.handle.options(session_id=pin) if pin else self.handle
-        return h.propose.remote(seqs)
+        return h.propose.remote([replace(s, hidden_history=None) for s in seqs])  # history stays here
 
     def _resync(self, pin: str | None, seqs: list[DraftSeq]):
         """Re-send sequences from their committed tokens (keep=0), e.g. after a lost replica."""
         self.resyncs += len(seqs)
         for s in seqs:
             self.pins.pop(s.seq_id, None)
-        fresh = [DraftSeq(**{**asdict(s), "keep": 0, "new_tokens": list(self.mirror[s.seq_id])}) for s in seqs]
+        fresh = [replace(s, keep=0, new_tokens=list(self.mirror[s.seq_id]), hidden_start=0,
+                         hidden=s.hidden_history.clone() if s.hidden_history is not None else None)
+                 for s in seqs]
         return self._call(pin, fresh)
 
     def release(self, seq_id: int) -> None:
@@ -187,15 +190,14 @@ class VerifierServer:
         cfg = ClusterConfig.model_validate(config)
         v = cfg.verifier
         torch.set_num_threads(v.torch_threads)
-        local = [d.spec for d in cfg.drafts if not d.remote]
+        local = {d.name: d.spec for d in cfg.drafts if not d.remote}
+        specs = {d.name: d.spec for d in cfg.drafts}
+        remote = {name: RemoteDrafter(handle, name, wants_hidden=spec_wants_hidden(specs.get(name, "")))
+                  for name, handle in (draft_handles or {}).items()}
         built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
-                             adaptive_gamma=v.adaptive_gamma)
+                             adaptive_gamma=v.adaptive_gamma, extra_drafters=remote,
+                             seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
-        self.engine._next_seq = random.getrandbits(40) << 20  # unique ids on shared draft replicas
-        names = {d.spec: d.name for d in cfg.drafts}
-        self.engine.drafters = {names[spec]: d for spec, d in self.engine.drafters.items()}
-        for name, handle in (draft_handles or {}).items():
-            self.engine.drafters[name] = RemoteDrafter(handle, name)
         self.replica = _replica_id()
         self.inbox: queue.Queue = queue.Queue()
         self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

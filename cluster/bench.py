@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from actors.build import build_engine, encode_prompt
+from actors.build import build_engine, draft_meta, encode_prompt
 from actors.engine import Request, SamplingParams, SpecStats
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
@@ -173,7 +173,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
         for spec in drafts:
             if spec.startswith("truncated:"):
                 assistants[spec] = hf_truncated(hf, int(spec.split(":")[1]))
-            elif not spec.startswith("ngram") and spec != "none":
+            elif not spec.startswith("ngram") and spec != "none" and draft_meta(spec) is None:
+                # (distilled checkpoints, EAGLE heads above all, have no HF assistant form)
                 from actors.models import load_model
                 assistants[spec] = load_model(spec, dtype).model
 

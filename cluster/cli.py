@@ -9,6 +9,7 @@
                                     tokens/s and α per draft, shut down (--local: in-process, no Ray)
   specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
   specd generate --address H:P ...  generate through a running cluster with the client SDK
+  specd distill ...                 train a draft from the target (see cluster/distill_cli.py)
 """
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--gamma", type=int, default=4)
     d.add_argument("--max-tokens", type=int, default=80)
     _add_model_args(d)
+    from .distill_cli import add_parser as add_distill
+    add_distill(sub)
     return ap
 
 
@@ -98,10 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
-                "serve": _serve}[args.cmd](args)
+                "serve": _serve, "distill": _distill}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
+
+
+def _distill(args) -> int:
+    from .distill_cli import run
+    return run(args)
 
 
 def _setup(args) -> int:
@@ -213,7 +221,10 @@ def _bench(args) -> int:
 
     from cluster import bench
 
-    drafts = args.draft or ["ngram", "truncated:4"]
+    from actors.build import draft_meta
+
+    # Defaults: n-gram, the untrained self-draft, and the shipped distilled draft side by side.
+    drafts = args.draft or ["ngram", "truncated:4"] + (["default"] if draft_meta("default") else [])
     report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
                              hf_baselines=not args.no_hf, adaptive=not args.no_adaptive)

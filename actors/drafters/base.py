@@ -39,6 +39,9 @@ class DraftSeq:
     # filled when the drafter sets `wants_hidden`.
     hidden: torch.Tensor | None = None  # [n, E]
     hidden_start: int = 0
+    # Verifier-local: every committed token's hidden state so far (all but the last token), for
+    # re-prefilling a feature-level drafter that lost its state. Never sent to a draft replica.
+    hidden_history: torch.Tensor | None = None
 
 
 @dataclass

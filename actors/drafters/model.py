@@ -21,8 +21,19 @@ from .base import KV_HEADROOM, Drafter, DraftSeq, Proposal, apply_view
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, runner: LlamaRunner, name: str, max_batch: int = 8, max_len: int = 2048):
+    def __init__(self, runner: LlamaRunner, name: str, max_batch: int = 8, max_len: int = 2048,
+                 vocab_map: torch.Tensor | None = None, vocab_size: int | None = None):
+        """vocab_map: int64 [R], the target token id of each of the runner's R output rows, for a
+        draft whose LM head keeps only the R most frequent tokens (None: the full vocabulary)."""
         self.runner, self.name = runner, name
+        self.vocab_map = vocab_map
+        self.vocab_size = vocab_size or runner.vocab_size  # the target's vocabulary
+        if vocab_map is not None and len(vocab_map) != runner.vocab_size:
+            # A full-vocabulary model serving a restricted head: keep only the head's rows.
+            if len(vocab_map) > runner.vocab_size or int(vocab_map.max()) >= runner.vocab_size:
+                raise ValueError(f"vocab_map has {len(vocab_map)} ids for an LM head of {runner.vocab_size} rows")
+            runner.lm_head = runner.lm_head[vocab_map].contiguous()
+            runner.vocab_size = len(vocab_map)
         self.cache = runner.new_cache(max_batch, max_len + KV_HEADROOM)
         self.slots: dict[int, int] = {}
         self.views: dict[int, list[int]] = {}
@@ -48,14 +59,8 @@ class ModelDrafter(Drafter):
         t0 = time.perf_counter()
         B = len(seqs)
         G = max(s.gamma for s in seqs)
-        slots, pending = [], []
-        for s in seqs:
-            slot = self._slot(s)
-            view = apply_view(self.views[s.seq_id], s.keep, s.new_tokens)
-            # Roll back: the KV may hold rejected drafts past `keep`.
-            self.cache.truncate(slot, min(self.cache.lengths[slot], s.keep))
-            slots.append(slot)
-            pending.append(view[self.cache.lengths[slot]:])  # committed tokens the draft has not seen
+        slots = [self._slot(s) for s in seqs]
+        last = self._sync(seqs, slots)  # [B, E] caller order: the feature that predicts draft 1
         order = sorted(range(B), key=lambda b: slots[b])  # contiguous slots -> cache views, no gather
         inv = [order.index(b) for b in range(B)]
         s_slots = [slots[b] for b in order]
@@ -66,30 +71,49 @@ class ModelDrafter(Drafter):
             top_k = torch.tensor([seqs[b].top_k for b in sampled], dtype=torch.long)
             top_p = torch.tensor([seqs[b].top_p for b in sampled])
             gens = [self.gens[seqs[b].seq_id] for b in sampled]
-            probs = torch.zeros(B, G, self.runner.vocab_size)
+            probs = torch.zeros(B, G, self.vocab_size)
         else:
             probs = None
 
         tokens = torch.zeros(B, G, dtype=torch.long)
-        last = self._catch_up(slots, pending)  # [B, E], caller order
+        vmap = self.vocab_map
         for j in range(G):
-            logits = self.runner.logits(last).float()  # [B, V]
-            tok = logits.argmax(-1)
+            logits = self.runner.logits(last).float()  # [B, R]
+            tok = logits.argmax(-1)  # head rows
             # Rows draw only while j < their own γ: a request's randomness is its own.
             live = [i for i, b in enumerate(sampled) if j < seqs[b].gamma]
             if live:
                 rows = [sampled[i] for i in live]
-                q = process_logits(logits[rows], temp[live], top_k[live], top_p[live])  # [Bs, V]
+                q = process_logits(logits[rows], temp[live], top_k[live], top_p[live])  # [Bs, R]
                 tok[rows] = sample(q, [gens[i] for i in live])
-                probs[rows, j] = q
+                if vmap is None:
+                    probs[rows, j] = q
+                else:  # tokens outside the head get q = 0: still an exact rejection-sampling q
+                    probs[rows, j] = torch.zeros(len(rows), self.vocab_size).index_copy_(1, vmap, q)
+            tok = tok if vmap is None else vmap[tok]  # target token ids
             tokens[:, j] = tok
             if j + 1 < G:  # the last draft is proposed, not fed: the target verifies it
-                last = self.runner.forward(self.cache, s_slots, tok[order][:, None])[:, 0][inv]
+                last = self._advance(s_slots, tok[order], last[order])[inv]
         num_draft = [s.gamma for s in seqs]
         for b, s in enumerate(seqs):
             self.views[s.seq_id].extend(tokens[b, :num_draft[b]].tolist())
         return Proposal(tokens=tokens, num_draft=num_draft, probs=probs,
                         timings={"draft_s": time.perf_counter() - t0})
+
+    def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
+        """Roll each row back to `keep`, feed the committed tokens it has not seen, and return
+        each row's last hidden state [B, E] (the one that predicts the first draft)."""
+        pending = []
+        for s, slot in zip(seqs, slots):
+            view = apply_view(self.views[s.seq_id], s.keep, s.new_tokens)
+            # Roll back: the KV may hold rejected drafts past `keep`.
+            self.cache.truncate(slot, min(self.cache.lengths[slot], s.keep))
+            pending.append(view[self.cache.lengths[slot]:])  # committed tokens the draft has not seen
+        return self._catch_up(slots, pending)
+
+    def _advance(self, slots: list[int], tok: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Feed one drafted token per row (slot order); return the new last hidden states [B, E]."""
+        return self.runner.forward(self.cache, slots, tok[:, None])[:, 0]
 
     def _catch_up(self, slots: list[int], pending: list[list[int]]) -> torch.Tensor:
         """Feed each row its unseen committed tokens; return each row's last hidden state [B, E].

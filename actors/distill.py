@@ -1,0 +1,547 @@
+"""Distilling a draft from its target: on-policy teacher data, objectives, training, evaluation.
+
+A run (`specd distill`):
+  1. Teacher data, computed once and cached: the target's own generations (greedy
+     and sampled) for a prompt corpus, or a user's texts, with the target's final
+     hidden state at every position. The teacher distribution at position q is
+     softmax(W h_q) with W the target's LM head, so the hidden states are the
+     whole teacher signal (hidden_size numbers per token, not a vocabulary).
+  2. Training a draft of one kind: an EAGLE-style feature head, the target's first
+     K layers, or a small independent model, on one objective (forward KL,
+     reverse KL, total variation, or next-token cross-entropy).
+  3. Held-out evaluation before and after: greedy acceptance per draft position,
+     mean accepted length at γ = 1..8, draft and target step times, c, and the
+     speedup the Leviathan formula predicts from them.
+
+Every draft may restrict its output head to the R most frequent tokens of the
+training data; it can then never propose another token (the loss renormalises
+the teacher over those R tokens), but each draft step is cheaper.
+
+Does not know: serving. The checkpoint it writes loads with `--draft PATH`.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .build import DRAFT_META, encode_prompt
+from .drafters.base import KV_HEADROOM
+from .engine import Request, SamplingParams, SpecEngine
+from .llama import LlamaRunner
+from .models import LoadedModel, cache_dir, vocab_fingerprint
+
+OBJECTIVES = ("fkl", "rkl", "tv", "ntp")
+KINDS = ("eagle", "truncated:K", "small")
+GAMMAS = tuple(range(1, 9))
+
+
+# ---- data -------------------------------------------------------------------------------------
+@dataclass
+class TeacherSeq:
+    ids: list[int]
+    num_prompt: int
+    domain: str
+    hidden: torch.Tensor  # [L, E] the target's post-norm final hidden states (target dtype)
+
+
+def read_corpus(path: str | Path) -> list[dict]:
+    """JSONL rows with "prompt" (generated from, chat template applied), "messages", or "text"
+    (used as-is, no generation); optional "domain"."""
+    rows = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        if not any(k in obj for k in ("prompt", "messages", "text")):
+            raise ValueError(f"{path}:{i + 1}: each line needs 'prompt', 'messages' or 'text'")
+        rows.append(obj)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, sampled: bool = True,
+                 temperature: float = 0.8, seed: int = 0, batch: int = 16, progress: bool = True,
+                 tag: str = "") -> list[TeacherSeq]:
+    """The target's on-policy data for `rows`, cached under ~/.cache/specd/distill by content."""
+    key = hashlib.sha256(json.dumps([target.name, vocab_fingerprint(target), str(_dtype(target)), rows,
+                                     max_new, sampled, temperature, seed]).encode()).hexdigest()[:16]
+    path = cache_dir() / "distill" / f"{tag or 'data'}-{key}.pt"
+    if path.exists():
+        return [TeacherSeq(**d) for d in torch.load(path, weights_only=False)]
+    runner = LlamaRunner(target.model)
+    eng = SpecEngine(runner, {}, tokenizer=None, eos_token_ids=target.eos_token_ids,  # no text needed
+                     max_batch=batch, max_len=min(1024, runner.max_position - KV_HEADROOM))
+    reqs, meta = [], {}
+    fixed: list[tuple[list[int], int, str]] = []  # texts: no generation
+    for i, r in enumerate(rows):
+        dom = r.get("domain", "general")
+        if "text" in r:
+            ids = target.tokenizer.encode(r["text"], add_special_tokens=False)[:1024] if target.tokenizer \
+                else list(r["text"])
+            fixed.append((ids, 1, dom))
+            continue
+        if "ids" in r:
+            ids = r["ids"]
+        elif "prompt" in r and getattr(target.tokenizer, "chat_template", None):
+            # An instruct target sees requests through its chat template, so its data should too.
+            ids = encode_prompt(target.tokenizer, messages=[{"role": "user", "content": r["prompt"]}])
+        else:
+            ids = encode_prompt(target.tokenizer, r.get("prompt"), r.get("messages"))
+        modes = [("g", 0.0)] + ([("s", temperature)] if sampled else [])
+        for m, t in modes:
+            rid = f"{i}{m}"
+            reqs.append(Request(rid, list(ids), SamplingParams(max_tokens=max_new, temperature=t, seed=seed + i),
+                                None, 0))
+            meta[rid] = dom
+    done: dict[str, tuple[list[int], int, str]] = {}
+    bar = _bar(len(reqs), "teacher generations", progress)
+    for req in reqs:
+        eng.add_request(req)
+    while eng.has_work():
+        for o in eng.step():
+            if o.finished:
+                s = eng.finished.pop(o.request_id)
+                done[o.request_id] = (s.tokens, s.num_prompt, meta[o.request_id])
+                bar.update(1)
+    bar.close()
+    out = list(fixed) + [done[r.request_id] for r in reqs]  # corpus order, whatever finished first
+    seqs = teacher_hidden(runner, out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save([asdict(s) for s in seqs], path)
+    return seqs
+
+
+def teacher_hidden(runner: LlamaRunner, seqs: list[tuple[list[int], int, str]], batch: int = 8) -> list[TeacherSeq]:
+    """One prefill per sequence batch: the target's final hidden state at every position."""
+    out = []
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    res: dict[int, TeacherSeq] = {}
+    for c in range(0, len(order), batch):
+        idx = order[c:c + batch]
+        lens = [len(seqs[i][0]) for i in idx]
+        cache = runner.new_cache(len(idx), max(lens) + 1)
+        feed = torch.zeros(len(idx), max(lens), dtype=torch.long)
+        for b, i in enumerate(idx):
+            feed[b, :lens[b]] = torch.tensor(seqs[i][0])
+        h = runner.forward(cache, list(range(len(idx))), feed, lens)
+        for b, i in enumerate(idx):
+            ids, n_prompt, dom = seqs[i]
+            res[i] = TeacherSeq(list(ids), n_prompt, dom, h[b, :lens[b]].clone())
+    out = [res[i] for i in range(len(seqs))]
+    return out
+
+
+def head_vocab(seqs: list[TeacherSeq], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The `size` most frequent tokens of the data (plus `always`, e.g. EOS), sorted; all if size <= 0."""
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.zeros(vocab_size)
+    for s in seqs:
+        counts.index_add_(0, torch.tensor(s.ids), torch.ones(len(s.ids)))
+    for t in always:
+        counts[t] = float("inf")
+    return counts.topk(size).indices.sort().values
+
+
+# ---- drafts --------------------------------------------------------------------------------------
+class Student(torch.nn.Module):
+    """A trainable draft of one kind, with a uniform training interface:
+    predict(tokens, hidden, steps) -> list of [B, L, R] logits, step j at p predicting x_{p+j}."""
+
+    def __init__(self, kind: str, target: LoadedModel, vmap: torch.Tensor, small_cfg: dict | None = None):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("vmap", vmap, persistent=False)
+        tm = target.model
+        if kind == "eagle":
+            from .drafters.eagle import EagleHead
+            self.head = EagleHead(tm, vmap)
+            self.token_level = False
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            if kind.startswith("truncated:"):
+                k = int(kind.split(":", 1)[1])
+                cfg = copy.deepcopy(tm.config)
+                cfg.num_hidden_layers = k
+                self.model = LlamaForCausalLM(cfg)
+                state = {n: t.detach().clone() for n, t in tm.state_dict().items()
+                         if not n.startswith("model.layers.") or int(n.split(".")[2]) < k}
+                self.model.load_state_dict(state, strict=False)
+                # The embedding and LM head stay the target's (frozen): the layers adapt.
+                self.model.model.embed_tokens.weight.requires_grad_(False)
+                self.model.lm_head.weight.requires_grad_(False)
+            elif kind == "small":
+                c = tm.config
+                sc = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 2,
+                      "num_attention_heads": 3, "num_key_value_heads": 1, **(small_cfg or {})}
+                cfg = LlamaConfig(vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
+                                  rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
+                                  bos_token_id=getattr(c, "bos_token_id", None),
+                                  eos_token_id=getattr(c, "eos_token_id", None), **sc)
+                torch.manual_seed(0)
+                self.model = LlamaForCausalLM(cfg)
+            else:
+                raise ValueError(f"--kind must be one of {list(KINDS)}, got {kind!r}")
+            self.token_level = True
+        self.float()
+
+    def predict(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int, noise: float = 0.0):
+        if self.token_level:
+            h = self.model.model(input_ids=tokens).last_hidden_state  # [B, L, E]
+            w = self.model.lm_head.weight[self.vmap]
+            return [F.linear(h, w)]  # greedy drafts of a token-level model only depend on tokens
+        feats = self.head.unroll(tokens, hidden.float(), steps, noise)
+        return [self.head.logits(f) for f in feats], feats
+
+    def save(self, out: Path, meta: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        if self.kind == "eagle":
+            self.head.save(out, meta)
+            return
+        from safetensors.torch import save_file
+
+        m = copy.deepcopy(self.model).to(torch.bfloat16)
+        for p in m.parameters():  # no shared storage left from training or the target
+            p.data = p.data.clone()
+        m.save_pretrained(out)
+        if len(self.vmap) < m.config.vocab_size:
+            save_file({"vocab_map": self.vmap.clone()}, str(out / "vocab_map.safetensors"))
+        (out / DRAFT_META).write_text(json.dumps({**meta, "kind": "model"}, indent=2))
+
+
+def loss_fn(objective: str, s: torch.Tensor, t: torch.Tensor, nxt: torch.Tensor, tau: float) -> torch.Tensor:
+    """Per-position loss [N]: s student logits [N, R], t teacher logits [N, R] (over the same R),
+    nxt the data's next token as a head row (-1 if outside the head)."""
+    if objective == "ntp":
+        return F.cross_entropy(s, nxt.clamp(min=0), reduction="none") * (nxt >= 0)
+    ls, lt = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)
+    if objective == "fkl":
+        return (lt.exp() * (lt - ls)).sum(-1) * tau * tau
+    if objective == "rkl":
+        return (ls.exp() * (ls - lt)).sum(-1) * tau * tau
+    if objective == "tv":
+        return 0.5 * (lt.exp() - ls.exp()).abs().sum(-1)
+    raise ValueError(f"--objective must be one of {list(OBJECTIVES)}, got {objective!r}")
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(student: Student, target: LoadedModel, seqs: list[TeacherSeq], max_gamma: int = 8) -> dict:
+    """Held-out greedy acceptance: from every generated position, draft up to `max_gamma` tokens
+    and count how many match the target's own greedy choice (argmax of its LM head)."""
+    student.eval()
+    W = target.model.lm_head.weight.detach().float()
+    runs = []  # accepted run length per start (capped at max_gamma)
+    for s in seqs:
+        L = len(s.ids)
+        if L - s.num_prompt < 2:
+            continue
+        tokens = torch.tensor(s.ids)[None]
+        h = s.hidden.float()[None]
+        tgt = F.linear(h[0], W).argmax(-1)  # [L] the target's greedy choice after each position
+        out = student.predict(tokens, h, max_gamma if not student.token_level else 1)
+        logits = out[0]  # token-level: [B, L, R] logits; eagle: per-step list of them
+        if student.token_level:
+            d = student.vmap[logits[0].argmax(-1)]  # [L]
+            match = (d == tgt)  # position q: the draft after x_<=q agrees with the target
+            starts = range(s.num_prompt - 1, L - max_gamma)
+            for p in starts:
+                a = 0
+                while a < max_gamma and match[p + a]:
+                    a += 1
+                runs.append(a)
+        else:
+            steps = [student.vmap[lg[0].argmax(-1)] for lg in logits]  # step j: [L] (at start p)
+            for p in range(s.num_prompt - 1, L - max_gamma):
+                a = 0
+                while a < max_gamma and steps[a][p] == tgt[p + a]:
+                    a += 1
+                runs.append(a)
+    student.train()
+    runs_t = torch.tensor(runs, dtype=torch.float)
+    per_pos = []
+    for j in range(max_gamma):
+        reached = (runs_t >= j).sum().item()
+        per_pos.append((runs_t >= j + 1).sum().item() / reached if reached else 0.0)
+    mal = {g: 1.0 + runs_t.clamp(max=g).mean().item() for g in range(1, max_gamma + 1)}
+    return {"positions": len(runs), "alpha_per_position": per_pos,
+            "alpha": leviathan_alpha(mal[4] if max_gamma >= 4 else mal[max_gamma], min(4, max_gamma)),
+            "accepted_at_gamma4": (mal[min(4, max_gamma)] - 1) / min(4, max_gamma),
+            "mean_accepted_length": mal}
+
+
+def leviathan_alpha(tokens_per_pass: float, gamma: int) -> float:
+    """The i.i.d. per-token acceptance α whose expected tokens per pass (1-α^(γ+1))/(1-α) equals
+    the measured one (solved by bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        e = gamma + 1 if mid >= 1 else (1 - mid ** (gamma + 1)) / (1 - mid)
+        lo, hi = (mid, hi) if e < tokens_per_pass else (lo, mid)
+    return (lo + hi) / 2
+
+
+def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
+    e = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return e / (gamma * c + 1)
+
+
+def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> dict:
+    """Median seconds of one target decode step and one draft step (γ=1 propose minus catch-up is
+    awkward to isolate, so: one draft forward of one token + its head), interleaved."""
+    from .drafters.base import DraftSeq
+
+    runner = LlamaRunner(target.model)
+    cache = runner.new_cache(1, ctx + 64)
+    ids = torch.randint(10, runner.vocab_size - 1, (1, ctx))
+    runner.forward(cache, [0], ids)
+    hidden = None
+    if drafter.wants_hidden:
+        hidden = runner.forward(runner.new_cache(1, ctx + 64), [0], ids)[0, :-1]
+    seq = DraftSeq(seq_id=0, keep=0, new_tokens=ids[0].tolist(), gamma=1, hidden=hidden, hidden_start=0)
+    drafter.propose([seq])
+    tt, td = [], []
+    tok = torch.tensor([[5]])
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            runner.logits(runner.forward(cache, [0], tok)[:, -1])
+        tt.append(time.perf_counter() - t0)
+        cache.truncate(0, ctx)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            last = drafter.runner.forward(drafter.cache, [0], None if drafter.wants_hidden else tok,
+                                          embeds=drafter._inputs(tok[0], torch.zeros(1, runner.hidden_size))[None]
+                                          if drafter.wants_hidden else None)[:, -1]
+            drafter.runner.logits(last)
+        td.append(time.perf_counter() - t0)
+        drafter.cache.truncate(0, drafter.cache.lengths[0] - 1)
+    drafter.release(0)
+    med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
+    return {"target_step_s": med(tt), "draft_step_s": med(td), "c": med(td) / med(tt)}
+
+
+# ---- training ------------------------------------------------------------------------------------
+@dataclass
+class DistillConfig:
+    kind: str = "eagle"
+    objective: str = "fkl"
+    temperature: float = 1.0
+    head_vocab: int = 8192  # 0: the full vocabulary
+    steps: int = 300
+    batch: int = 8
+    max_len: int = 320  # tokens per training sequence (longer ones are cut)
+    lr: float = 5e-4
+    ttt_steps: int = 3  # eagle: drafting steps unrolled in training (training-time test)
+    reg_weight: float = 0.5  # eagle: smooth-L1 pull of predicted features toward the target's
+    noise: float = 0.05  # eagle: uniform noise on input features
+    eval_every: int = 0  # 0: evaluate only before and after
+    seed: int = 0
+    small: dict = field(default_factory=dict)
+
+
+def _batches(seqs: list[TeacherSeq], cfg: DistillConfig, rng: random.Random):
+    """Endless shuffled batches of similar-length sequences (less padding)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    chunks = [order[i:i + cfg.batch] for i in range(0, len(order), cfg.batch)]
+    while True:
+        rng.shuffle(chunks)
+        yield from chunks
+
+
+def _collate(seqs: list[TeacherSeq], idx: list[int], max_len: int, vrow: torch.Tensor):
+    L = min(max_len, max(len(seqs[i].ids) for i in idx))
+    B = len(idx)
+    E = seqs[idx[0]].hidden.shape[-1]
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    hidden = torch.zeros(B, L, E)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    for b, i in enumerate(idx):
+        s = seqs[i]
+        n = min(L, len(s.ids))
+        tokens[b, :n] = torch.tensor(s.ids[:n])
+        hidden[b, :n] = s.hidden[:n].float()
+        valid[b, :n] = True
+    nxt = torch.full((B, L), -1, dtype=torch.long)
+    nxt[:, :-1] = torch.where(valid[:, 1:], vrow[tokens[:, 1:]], -1)
+    return tokens, hidden, valid, nxt
+
+
+def train(student: Student, target: LoadedModel, seqs: list[TeacherSeq], held: list[TeacherSeq],
+          cfg: DistillConfig, progress: bool = True) -> dict:
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    W_R = target.model.lm_head.weight.detach().float()[student.vmap]  # [R, E] teacher rows
+    vrow = torch.full((target.model.config.vocab_size,), -1, dtype=torch.long)
+    vrow[student.vmap] = torch.arange(len(student.vmap))
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warm = max(1, cfg.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, cfg.steps) / cfg.steps)))
+    history, curve = [], []
+    batches = _batches(seqs, cfg, rng)
+    bar = _bar(cfg.steps, f"distill {student.kind} ({cfg.objective})", progress)
+    t0 = time.perf_counter()
+    student.train()
+    for step in range(1, cfg.steps + 1):
+        tokens, hidden, valid, nxt = _collate(seqs, next(batches), cfg.max_len, vrow)
+        t_logits = F.linear(hidden, W_R)  # [B, L, R] teacher at every position
+        out = student.predict(tokens, hidden, cfg.ttt_steps, cfg.noise)
+        s_logits, feats = (out, None) if student.token_level else out
+        total, weight = 0.0, 0.0
+        for j, sl in enumerate(s_logits):  # step j+1 at p is scored against the teacher at p+j
+            L = tokens.shape[1] - j
+            if L <= 0:
+                break
+            m = valid[:, j:]
+            per = loss_fn(cfg.objective, sl[:, :L][m], t_logits[:, j:][m], nxt[:, j:][m], cfg.temperature)
+            wj = 0.8 ** j
+            total = total + wj * per.mean()
+            if feats is not None and cfg.reg_weight > 0:
+                total = total + wj * cfg.reg_weight * F.smooth_l1_loss(feats[j][:, :L][m], hidden[:, j:][m])
+            weight += wj
+        loss = total / weight
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        curve.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{curve[-1]:.3f}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            ev = evaluate(student, target, held)
+            history.append({"step": step, "alpha": ev["alpha"], "alpha_1": ev["alpha_per_position"][0],
+                            "seconds": time.perf_counter() - t0})
+            bar.write(f"step {step}: held-out α {ev['alpha']:.3f} (first position {ev['alpha_per_position'][0]:.3f})")
+    bar.close()
+    return {"train_s": time.perf_counter() - t0, "loss_curve": curve, "checkpoints": history}
+
+
+def _dtype(target: LoadedModel) -> torch.dtype:
+    return next(target.model.parameters()).dtype
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+# ---- one run -------------------------------------------------------------------------------------
+DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "cluster" / "data" / "distill_prompts.jsonl"
+DEFAULT_HELDOUT = Path(__file__).resolve().parent.parent / "cluster" / "data" / "prompts.jsonl"
+
+
+def run(target_spec: str = "smollm2", out: str | Path = "out/draft", data: str | Path | None = None,
+        heldout: str | Path | None = None, domain: str | None = None, cfg: DistillConfig | None = None,
+        max_new: int = 128, dtype: str = "bf16", limit: int | None = None, progress: bool = True) -> dict:
+    """Train one draft and write its checkpoint plus `report.json` into `out`; returns the report."""
+    from .build import make_drafter
+    from .models import load_model
+
+    cfg = cfg or DistillConfig()
+    if cfg.objective not in OBJECTIVES:
+        raise ValueError(f"--objective must be one of {list(OBJECTIVES)}, got {cfg.objective!r}")
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    target = load_model(target_spec, dtype)
+    rows = read_corpus(data or DEFAULT_CORPUS)
+    for r in rows:
+        r.setdefault("domain", r.get("kind", "general"))
+    if limit:
+        rows = rows[:limit]
+    held_rows = read_corpus(heldout or DEFAULT_HELDOUT)
+    for r in held_rows:
+        r.setdefault("domain", r.get("kind", "general"))
+    t0 = time.perf_counter()
+    train_seqs = teacher_data(target, rows, max_new=max_new, sampled=True, seed=cfg.seed, progress=progress,
+                              tag="train")
+    held = teacher_data(target, held_rows, max_new=max_new, sampled=False, seed=1234, progress=progress,
+                        tag="heldout")
+    data_s = time.perf_counter() - t0
+    if domain:  # the teacher data is shared by all runs on this corpus; a domain draft uses its part
+        train_seqs = [s for s in train_seqs if s.domain == domain]
+        if not train_seqs:
+            raise ValueError(f"--domain {domain!r}: no rows of that domain in the data")
+    vocab = target.model.config.vocab_size
+    vmap = head_vocab(train_seqs, cfg.head_vocab, vocab, target.eos_token_ids)
+    coverage = _coverage(held, vmap, vocab)
+
+    student = Student(cfg.kind, target, vmap, cfg.small)
+    domains = sorted({s.domain for s in held})
+
+    def ev() -> dict:
+        res = {"all": evaluate(student, target, held)}
+        for d in domains:
+            res[d] = evaluate(student, target, [s for s in held if s.domain == d])
+        return res
+
+    before = ev()
+    tr = train(student, target, train_seqs, held, cfg, progress)
+    after = ev()
+
+    out = Path(out)
+    meta = {"name": out.name, "draft_kind": cfg.kind, "target": target.name,
+            "vocab_fingerprint": vocab_fingerprint(target), "head_vocab": len(vmap),
+            "config": asdict(cfg), "trained_on": str(data or DEFAULT_CORPUS), "domain": domain}
+    student.save(out, meta)
+    drafter = make_drafter(str(out), target, 1, 512)
+    times = step_times(target, drafter)
+    g_best = max(GAMMAS, key=lambda g: leviathan_speedup(after["all"]["alpha"], g, times["c"]))
+    report = {
+        "target": target.name, "kind": cfg.kind, "objective": cfg.objective, "domain": domain,
+        "config": asdict(cfg), "train_sequences": len(train_seqs),
+        "train_tokens": sum(len(s.ids) for s in train_seqs), "heldout_sequences": len(held),
+        "head_vocab": len(vmap), "heldout_token_coverage": coverage,
+        "before": before, "after": after, "data_s": data_s, "train_s": tr["train_s"],
+        "wall_s": time.perf_counter() - t_start, "checkpoints": tr["checkpoints"],
+        "loss_first": tr["loss_curve"][:5], "loss_last": tr["loss_curve"][-5:],
+        **times,
+        "predicted_speedup": {g: leviathan_speedup(after["all"]["alpha"], g, times["c"]) for g in GAMMAS},
+        "best_gamma": g_best, "checkpoint": str(out),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _coverage(seqs: list[TeacherSeq], vmap: torch.Tensor, vocab: int) -> float:
+    """Fraction of held-out generated tokens the restricted head can propose at all."""
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    inside[vmap] = True
+    gen = [t for s in seqs for t in s.ids[s.num_prompt:]]
+    return inside[torch.tensor(gen)].float().mean().item() if gen else 1.0
+
+
+def render(report: dict) -> str:
+    """A human table: held-out α per position and mean accepted length per γ, before and after."""
+    b, a = report["before"]["all"], report["after"]["all"]
+    lines = [f"draft {report['kind']} ({report['objective']}, T={report['config']['temperature']}) "
+             f"for {report['target']}: {report['train_sequences']} sequences / {report['train_tokens']} tokens, "
+             f"{report['config']['steps']} steps, train {report['train_s']:.0f} s, data {report['data_s']:.0f} s",
+             f"head vocabulary {report['head_vocab']} (covers {report['heldout_token_coverage']:.1%} of held-out "
+             f"generated tokens); held-out positions {a['positions']}",
+             "", f"{'':24}" + "".join(f"{g:>7}" for g in GAMMAS)]
+    lines.append(f"{'α per position, before':24}" + "".join(f"{x:7.3f}" for x in b["alpha_per_position"]))
+    lines.append(f"{'α per position, after':24}" + "".join(f"{x:7.3f}" for x in a["alpha_per_position"]))
+    lines.append(f"{'tokens/pass, before':24}" + "".join(f"{b['mean_accepted_length'][g]:7.2f}" for g in GAMMAS))
+    lines.append(f"{'tokens/pass, after':24}" + "".join(f"{a['mean_accepted_length'][g]:7.2f}" for g in GAMMAS))
+    lines.append(f"{'predicted speedup':24}" + "".join(f"{report['predicted_speedup'][g]:7.2f}" for g in GAMMAS))
+    lines += ["", f"held-out α (Leviathan, from tokens/pass at γ=4): before {b['alpha']:.3f}, after {a['alpha']:.3f}"]
+    for d, r in report["after"].items():
+        if d != "all":
+            lines.append(f"  {d:10} before {report['before'][d]['alpha']:.3f}  after {r['alpha']:.3f}")
+    lines.append(f"draft step {report['draft_step_s'] * 1e3:.2f} ms, target step {report['target_step_s'] * 1e3:.2f} ms, "
+                 f"c = {report['c']:.3f}; best γ {report['best_gamma']} -> predicted "
+                 f"{report['predicted_speedup'][report['best_gamma']]:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""`specd distill`: train a draft for a target and report what it buys (see actors/distill.py).
+
+  specd distill --kind eagle --objective fkl --steps 300 --out out/drafts/eagle
+  specd distill --kind truncated:4 --head-vocab 8192 --objective ntp ...
+  specd distill --kind eagle --domain code ...          a domain draft (code prompts only)
+  specd distill --data my.jsonl ...                     a user's prompts ("prompt"/"messages") or texts ("text")
+
+Writes the checkpoint (loadable with --draft PATH), report.json, report.txt and
+alpha.png (held-out acceptance per draft position, before and after) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    from actors.distill import KINDS, OBJECTIVES, DistillConfig
+
+    d = DistillConfig()
+    p = sub.add_parser("distill", help="train a draft model from the target (KL / NTP distillation)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype (as served)")
+    p.add_argument("--kind", default=d.kind, help=f"draft kind: {' | '.join(KINDS)}")
+    p.add_argument("--objective", default=d.objective, choices=OBJECTIVES,
+                   help="forward KL, reverse KL, total variation, or next-token cross-entropy")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="softmax temperature of the soft targets")
+    p.add_argument("--head-vocab", type=int, default=d.head_vocab,
+                   help="keep the draft's LM head to the N most frequent tokens (0: full vocabulary)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--max-seq-len", type=int, default=d.max_len, help="training sequence cut")
+    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle: drafting steps unrolled in training")
+    p.add_argument("--reg-weight", type=float, default=d.reg_weight, help="eagle: feature regression weight")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out α every N steps (0: end only)")
+    p.add_argument("--small-layers", type=int, default=2, help="small: decoder layers")
+    p.add_argument("--small-hidden", type=int, default=192, help="small: hidden size")
+    p.add_argument("--data", default=None, help="JSONL of prompts/texts (default: the committed corpus)")
+    p.add_argument("--heldout", default=None, help="JSONL of held-out prompts (default: the bench prompts)")
+    p.add_argument("--domain", default=None, help="train only on corpus rows of this domain (e.g. code)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N corpus rows")
+    p.add_argument("--max-new", type=int, default=128, help="tokens the target generates per prompt")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default="out/drafts/draft", help="checkpoint + report directory")
+
+
+def run(args) -> int:
+    from actors.distill import DistillConfig, render
+    from actors.distill import run as distill
+
+    heads = 3 if args.small_hidden % 3 == 0 else 4
+    cfg = DistillConfig(kind=args.kind, objective=args.objective, temperature=args.temperature,
+                        head_vocab=args.head_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
+                        max_len=args.max_seq_len, ttt_steps=args.ttt_steps, reg_weight=args.reg_weight,
+                        eval_every=args.eval_every, seed=args.seed,
+                        small={"num_hidden_layers": args.small_layers, "hidden_size": args.small_hidden,
+                               "intermediate_size": args.small_hidden * 8 // 3, "num_attention_heads": heads,
+                               "num_key_value_heads": 1})
+    report = distill(args.model, args.out, data=args.data, heldout=args.heldout, domain=args.domain, cfg=cfg,
+                     max_new=args.max_new, dtype=args.dtype, limit=args.limit)
+    text = render(report)
+    out = Path(args.out)
+    (out / "report.txt").write_text(text + "\n")
+    plot(report, out / "alpha.png")
+    print(text)
+    print(f"\ncheckpoint: {out}  (use --draft {out}); report: {out / 'report.json'}")
+    return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, style in (("before", "--"), ("after", "-")):
+        a = report[key]["all"]["alpha_per_position"]
+        ax.plot(range(1, len(a) + 1), a, style, marker="o", label=f"{key} (α={report[key]['all']['alpha']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("held-out acceptance (greedy)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{report['kind']} draft, {report['objective']}, {report['config']['steps']} steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare(paths: list[str]) -> str:
+    """A side-by-side table of several distill reports (for the claims in the README)."""
+    rows = [json.loads((Path(p) / "report.json").read_text()) for p in paths]
+    doms = sorted({d for r in rows for d in r["after"] if d != "all"})
+    head = f"{'draft':34}{'kind':14}{'obj':6}{'steps':>6}{'α before':>10}{'α after':>9}" + \
+        "".join(f"{'α ' + d:>10}" for d in doms) + f"{'c':>7}{'pred.':>7}"
+    lines = [head]
+    for p, r in zip(paths, rows):
+        lines.append(f"{Path(p).name:34}{r['kind']:14}{r['objective']:6}{r['config']['steps']:>6}"
+                     f"{r['before']['all']['alpha']:>10.3f}{r['after']['all']['alpha']:>9.3f}" +
+                     "".join(f"{r['after'].get(d, {}).get('alpha', float('nan')):>10.3f}" for d in doms) +
+                     f"{r['c']:>7.3f}{r['predicted_speedup'][str(r['best_gamma'])]:>7.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""Draft distillation and feature-level (EAGLE) drafts, on tiny random targets (seconds).
+
+What a user relies on: training makes a draft better than its untrained start; a trained
+draft saved to disk loads with --draft PATH and never changes greedy output; a draft from
+another vocabulary is refused; the served head computes exactly what training scored.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from actors import distill as D
+from actors.build import load_distilled, make_drafter
+from actors.drafters.base import DraftSeq
+from actors.drafters.eagle import EagleDrafter, EagleHead
+from actors.engine import Request, SamplingParams, SpecEngine
+from actors.llama import LlamaRunner
+from actors.models import LoadedModel, build_tiny, load_model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny:1")
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    """On-policy teacher data from the tiny target: greedy and sampled continuations."""
+    import os
+    os.environ.setdefault("SPECD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    rng = random.Random(0)
+    rows = [{"ids": [rng.randrange(3, 512) for _ in range(rng.randrange(4, 9))], "domain": "d"}
+            for _ in range(48)]
+    seqs = D.teacher_data(target, rows, max_new=40, progress=False, tag="test")
+    return seqs[:80], seqs[80:]  # train / held-out: rows 0-39 and 40-47 (greedy + sampled each)
+
+
+def _perturbed_head(target, seed=0) -> EagleHead:
+    head = EagleHead(target.model, torch.arange(target.model.config.vocab_size))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return head.eval()
+
+
+def test_served_head_drafts_exactly_what_training_scores(target):
+    """The drafter (fast runner, KV cache, fed target hidden states with the rollback info)
+    and the training unroll (all starts at once, training-time test) are one function: a
+    divergence would make the reported α a lie about what serving gets."""
+    head = _perturbed_head(target)
+    runner = LlamaRunner(target.model)
+    prefix = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    hid = runner.forward(runner.new_cache(1, 64), [0], prefix)[0]  # [12, E]
+    drafter = EagleDrafter(head, "eagle", max_batch=2, max_len=64)
+    prop = drafter.propose([DraftSeq(seq_id=7, keep=0, new_tokens=prefix[0].tolist(), gamma=4,
+                                     hidden=hid[:-1], hidden_start=0)])
+    drafts = prop.tokens[0].tolist()
+    seq = torch.cat([prefix, torch.tensor([drafts])], 1)  # teacher-forced tokens = the drafts
+    hid_seq = torch.cat([hid, torch.zeros(4, hid.shape[1])])  # only positions <= 10 are read at start 11
+    with torch.no_grad():
+        feats = head.unroll(seq, hid_seq[None], 4)
+    n = prefix.shape[1] - 1
+    unrolled = [int(head.logits(f[0, n]).argmax()) for f in feats]
+    assert unrolled == drafts
+
+    # A rollback that keeps 2 drafts, then the bonus token: the head recomputes the kept
+    # positions from the target's real features and drafts the same as a fresh drafter.
+    keep = len(prefix[0]) + 2
+    committed = seq[0, :keep].tolist() + [5]
+    hid_all = runner.forward(runner.new_cache(1, 64), [0], torch.tensor([committed]))[0]
+    p2 = drafter.propose([DraftSeq(seq_id=7, keep=keep, new_tokens=[5], gamma=3,
+                                   hidden=hid_all[11:-1], hidden_start=11)])
+    fresh = EagleDrafter(head, "eagle", max_batch=2, max_len=64)
+    p3 = fresh.propose([DraftSeq(seq_id=1, keep=0, new_tokens=committed, gamma=3,
+                                 hidden=hid_all[:-1], hidden_start=0)])
+    assert p2.tokens.tolist() == p3.tokens.tolist()
+
+
+def test_eagle_draft_is_lossless_and_accepts_in_the_engine(target):
+    """Greedy output with the head equals the target alone; the engine hands the head its
+    hidden states, and a head that starts as 'one more target layer' gets drafts accepted."""
+    head = EagleHead(target.model, torch.arange(512)).eval()
+    prompts = [[5, 9, 33, 2 + i, 100 + i] for i in range(4)]
+
+    def run(draft):
+        eng = SpecEngine(LlamaRunner(target.model), {"eagle": EagleDrafter(head, "eagle", max_batch=4, max_len=200)},
+                         max_batch=4, max_len=200)
+        res = eng.run([Request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True), draft, 4 if draft else 0)
+                       for i, p in enumerate(prompts)])
+        return [res[f"r{i}"].output for i in range(len(prompts))], sum(s.stats.accepted_tokens for s in res.values())
+
+    plain, _ = run(None)
+    spec, accepted = run("eagle")
+    assert spec == plain
+    assert accepted > 0
+
+
+def test_distill_improves_heldout_acceptance(target, data):
+    """A real (small) training run: held-out greedy α must rise well above the untrained start.
+    The same run with a zero learning rate must not, which is what makes this assertion able to fail."""
+    train, held = data
+    results = {}
+    for lr in (3e-3, 0.0):
+        student = D.Student("truncated:2", target, torch.arange(512))
+        before = D.evaluate(student, target, held)
+        D.train(student, target, train, held, D.DistillConfig(kind="truncated:2", steps=40, batch=8, lr=lr),
+                progress=False)
+        after = D.evaluate(student, target, held)
+        results[lr] = (before["alpha"], after["alpha"])
+    before, after = results[3e-3]
+    assert after > before + 0.1, results
+    assert abs(results[0.0][1] - results[0.0][0]) < 1e-6, results
+
+
+def test_objectives_rank_a_perfect_student_best():
+    t = torch.randn(6, 10)
+    nxt = t.argmax(-1)
+    for obj in D.OBJECTIVES:
+        good = D.loss_fn(obj, t * (10 if obj == "ntp" else 1), t, nxt, 1.0).mean()
+        bad = D.loss_fn(obj, -t, t, nxt, 1.0).mean()
+        assert good < bad, obj
+        if obj != "ntp":
+            assert good.abs() < 1e-5, obj
+
+
+def test_saved_draft_round_trips_and_keeps_greedy_output(target, data, tmp_path):
+    train, held = data
+    vmap = D.head_vocab(train, 300, 512, target.eos_token_ids)  # a restricted head, as shipped
+    for kind in ("eagle", "truncated:2"):
+        student = D.Student(kind, target, vmap)
+        D.train(student, target, train, held, D.DistillConfig(kind=kind, steps=5, batch=8), progress=False)
+        out = tmp_path / kind.replace(":", "_")
+        student.save(out, {"name": out.name, "vocab_fingerprint": "size:512"})
+        meta = json.loads((out / "specd_draft.json").read_text())
+        assert meta["kind"] == ("eagle" if kind == "eagle" else "model")
+        drafter = make_drafter(str(out), target, 4, 200)  # the --draft PATH code path
+        assert drafter.wants_hidden == (kind == "eagle")
+        prompts = [[7, 8, 9, 10 + i] for i in range(3)]
+        outs = {}
+        for draft in (None, "d"):
+            eng = SpecEngine(LlamaRunner(target.model), {"d": drafter}, max_batch=4, max_len=200)
+            res = eng.run([Request(f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True), draft,
+                                   3 if draft else 0) for i, p in enumerate(prompts)])
+            outs[draft] = [res[f"r{i}"].output for i in range(3)]
+        assert outs["d"] == outs[None], kind
+        # A restricted head only ever proposes its own tokens (mapped back to target ids).
+        seq = list(range(20, 40))
+        hid = LlamaRunner(target.model).forward(LlamaRunner(target.model).new_cache(1, 64), [0],
+                                                 torch.tensor([seq]))[0, :-1] if drafter.wants_hidden else None
+        prop = drafter.propose([DraftSeq(seq_id=99, keep=0, new_tokens=seq, gamma=6, hidden=hid)])
+        assert set(prop.tokens[0].tolist()) <= set(vmap.tolist())
+        drafter.release(99)
+
+
+def test_draft_for_another_vocabulary_is_refused(target, tmp_path):
+    head = EagleHead(target.model, torch.arange(512))
+    head.save(tmp_path / "h", {"name": "h", "vocab_fingerprint": "size:512"})
+    other = LoadedModel(build_tiny(2, vocab_size=640), None, "tiny-640")
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_distilled(str(tmp_path / "h"), other, 2, 100)
