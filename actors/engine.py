@@ -11,6 +11,16 @@ Each `step()`:
      checking max_tokens, EOS and stop strings.
 γ = 0 (or no drafter) is plain decoding through the same code: the baseline.
 
+Pipelining (`pipeline=True`, `set_pipeline`): sequences whose drafter can propose
+asynchronously (`propose_async`: drafts on other processes, e.g. Ray draft replicas) are
+split into two micro-batches. Each step verifies one of them while the draft calls for the
+other are already in flight; right after a micro-batch is verified and committed its next
+draft calls are sent, so they run on the draft replicas while the target verifies the other
+micro-batch. Sequences with local drafters (or none) join every step's target pass and draft
+in the step itself, as without pipelining. The accept rule and per-row randomness are the
+same, so greedy output is identical with pipelining on or off. `batcher_stats` records where
+the batcher's time goes (target passes, drafting it waited for, drafting hidden behind it).
+
 Target KV invariant: it holds every committed token except the last one, which
 is the first input of the next verify pass.
 
@@ -112,7 +122,7 @@ class StepOutput:
     finish_reason: str | None = None  # "length" | "stop" | "abort"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     req: Request
     slot: int
@@ -130,10 +140,60 @@ class _Seq:
     finish_reason: str | None = None
     stop_at: int | None = None  # where a stop string starts in the decoded output
     t_admit: float = 0.0
+    mb: int | None = None  # pipelined: which micro-batch (0 or 1) the sequence is verified in
+    flight: "_Flight | None" = None  # pipelined: draft calls sent for it, not yet verified
 
     @property
     def output(self) -> list[int]:
         return self.tokens[self.num_prompt:]
+
+
+@dataclass(eq=False)
+class _Flight:
+    """Draft calls for some sequences, sent (or, for local drafters, already answered) and not
+    yet verified. `resolve` waits for every answer once and keeps the drafts."""
+    seqs: list[_Seq]
+    gamma: list[int]
+    waiters: list[tuple[str, list[int], object]]  # (drafter name, rows, () -> Proposal)
+    t_launch: float
+    launch_s: float = 0.0  # time in the launching call (local drafting, sending remote calls)
+    drafts: list[list[int]] | None = None
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, V]
+    own_s: dict[str, float] = field(default_factory=dict)  # per drafter: time in its launching call
+    group_s: list[tuple[str, list[int], float]] = field(default_factory=list)  # adaptive-γ cost per group
+    wait_s: float = 0.0  # time blocked on asynchronous answers in `resolve`
+    blocked_s: float = 0.0  # time an asynchronous-capable drafter was called synchronously (plain step)
+    done_at: float = 0.0
+    error: BaseException | None = None
+
+    def resolve(self) -> None:
+        if self.drafts is not None:
+            return
+        if self.error is not None:
+            raise self.error
+        t0 = time.perf_counter()
+        drafts: list[list[int]] = [[] for _ in self.seqs]
+        try:
+            for name, rows, wait in self.waiters:
+                tg = time.perf_counter()
+                prop = wait()
+                self.group_s.append((name, rows, self.own_s.get(name, 0.0) + time.perf_counter() - tg))
+                for i, b in enumerate(rows):
+                    k = prop.num_draft[i]
+                    drafts[b] = prop.tokens[i, :k].tolist()
+                    if prop.probs is not None and self.seqs[b].req.params.temperature > 0:
+                        self.probs[b] = prop.probs[i, :k]
+        except BaseException as e:
+            self.error = e
+            raise
+        self.waiters = []
+        self.drafts = drafts
+        self.done_at = time.perf_counter()
+        self.wait_s = self.done_at - t0
+
+
+BATCHER_STATS = ("target_passes", "rows_verified", "pipelined_steps", "verify_s", "prefill_s", "draft_s",
+                 "draft_wait_s", "draft_flight_s")
 
 
 class SpecEngine:
@@ -142,9 +202,10 @@ class SpecEngine:
     def __init__(self, target: LlamaRunner, drafters: dict[str, Drafter] | None = None,
                  tokenizer=None, eos_token_ids: set[int] | None = None,
                  max_batch: int = 8, max_len: int = 2048, adaptive_gamma: bool = False,
-                 seq_id_base: int = 0):
+                 seq_id_base: int = 0, pipeline: bool = False):
         """adaptive_gamma: treat each request's γ as a maximum and pick the draft length per
-        step for goodput (see gamma.py); off = every request drafts its own γ."""
+        step for goodput (see gamma.py); off = every request drafts its own γ.
+        pipeline: overlap asynchronous drafters with target passes over two micro-batches."""
         self.target = target
         self.drafters = dict(drafters or {})
         self.tokenizer = tokenizer
@@ -166,6 +227,19 @@ class SpecEngine:
         # (EAGLE heads): they reach the drafter with the rollback information.
         self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, target.hidden_size, dtype=target.dtype)
                            if any(d.wants_hidden for d in self.drafters.values()) else None)
+        self.pipeline = bool(pipeline)
+        self._turn = 0  # pipelined: the micro-batch verified next
+        # Where the batcher's time goes, cumulative (both modes): target verify passes and rows,
+        # verify_s (target pass + accept + commit), prefill_s, draft_s (drafting the batcher did
+        # or waited for: not hidden behind a target pass), draft_wait_s (of which, blocked on
+        # asynchronous answers), draft_flight_s (pipelined: send -> answers in hand, per flight;
+        # minus the waits it is the drafting hidden behind target passes).
+        self.batcher_stats = {k: 0.0 if k.endswith("_s") else 0 for k in BATCHER_STATS}
+
+    def set_pipeline(self, on: bool) -> None:
+        """Turn pipelining on or off between steps. Turning it off sends no new asynchronous
+        draft calls; those in flight are verified by the next steps, then steps are plain."""
+        self.pipeline = bool(on)
 
     @property
     def gamma_policy(self) -> AdaptiveGamma:
@@ -205,6 +279,14 @@ class SpecEngine:
         seq = self.active.get(request_id)
         if seq is None:
             return False
+        if seq.flight is not None:
+            # Its draft call may still be running on a draft replica: let it finish before the
+            # release, so the replica frees the state (the drafts stay with the other rows).
+            try:
+                seq.flight.resolve()
+            except Exception:  # a failed call holds no state; the other rows see the error
+                pass
+            seq.flight = None
         self._finish(seq, "abort")
         return True
 
@@ -221,7 +303,11 @@ class SpecEngine:
         self._admit(outputs)
         seqs = sorted(self.active.values(), key=lambda s: s.slot)
         if seqs:
-            self._speculate(seqs, outputs)
+            pipelined = self.pipeline and any(self._pipelinable(s) for s in seqs)
+            if pipelined or any(s.flight is not None for s in seqs):  # (draining flights after turning it off)
+                self._step_pipelined(seqs, outputs)
+            else:
+                self._speculate(seqs, outputs)
         return list(outputs.values())
 
     def _admit(self, outputs: dict[str, StepOutput]) -> None:
@@ -254,6 +340,7 @@ class SpecEngine:
         for b, s in enumerate(new):
             self._commit(s, [first[b]], outputs)
         self.stats.verify_s += time.perf_counter() - t0
+        self.batcher_stats["prefill_s"] += time.perf_counter() - t0
 
     def _sample_one(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
         """logits [B, V] -> one token per row (greedy argmax, or a draw from the processed target)."""
@@ -273,11 +360,94 @@ class SpecEngine:
             torch.tensor([s.req.params.top_p for s in seqs]))
 
     def _speculate(self, seqs: list[_Seq], outputs: dict[str, StepOutput]) -> None:
-        B = len(seqs)
+        """The plain step: draft for every active sequence, then verify them all in one pass."""
         t0 = time.perf_counter()
-        # 1. Draft, grouped by drafter.
-        drafts: list[list[int]] = [[] for _ in range(B)]
-        draft_probs: dict[int, torch.Tensor] = {}  # row -> [k, V]
+        fl = self._launch(seqs, asynchronous=False)
+        fl.resolve()
+        t1 = time.perf_counter()
+        self._verify(seqs, fl.drafts, fl.probs, fl.group_s, [t1 - t0] * len(seqs), outputs)
+        self.stats.draft_s += t1 - t0
+        bs = self.batcher_stats
+        bs["draft_s"] += t1 - t0
+        bs["draft_wait_s"] += fl.blocked_s + fl.wait_s
+
+    # ---- pipelining --------------------------------------------------------------------------
+    def _pipelinable(self, s: _Seq) -> bool:
+        """Drafts for it can be in flight while the target works: an asynchronous drafter."""
+        return (s.req.draft is not None and s.req.gamma > 0
+                and hasattr(self.drafters[s.req.draft], "propose_async"))
+
+    def _step_pipelined(self, seqs: list[_Seq], outputs: dict[str, StepOutput]) -> None:
+        """Verify one micro-batch (plus every sequence with a local drafter) while the draft
+        calls of the other micro-batch run elsewhere; then send this micro-batch's next calls."""
+        pipe = [s for s in seqs if self._pipelinable(s) or s.flight is not None]
+        in_pipe = {id(s) for s in pipe}
+        local = [s for s in seqs if id(s) not in in_pipe]
+        for s in pipe:  # newcomers join the smaller micro-batch
+            if s.mb is None:
+                s.mb = 0 if sum(x.mb == 0 for x in pipe) <= sum(x.mb == 1 for x in pipe) else 1
+        mbs = [[s for s in pipe if s.mb == i] for i in (0, 1)]
+        cur = self._turn if mbs[self._turn] else 1 - self._turn
+        self._turn = 1 - cur
+        bs = self.batcher_stats
+        t0 = time.perf_counter()
+        # Calls for this micro-batch first (it is waited for first), then the other's; local
+        # drafters propose meanwhile, in this thread.
+        for group in (mbs[cur], mbs[1 - cur] if self.pipeline else []):
+            lacking = [s for s in group if s.flight is None]
+            if lacking:
+                self._launch(lacking, asynchronous=True)
+        local_fl = self._launch(local, asynchronous=False) if local else None
+        mine: list[_Flight] = []
+        for s in mbs[cur]:
+            if all(s.flight is not f for f in mine):
+                mine.append(s.flight)
+        for f in mine + ([local_fl] if local_fl else []):
+            f.resolve()
+        t2 = time.perf_counter()
+        rows = sorted(mbs[cur] + local, key=lambda s: s.slot)
+        drafts, probs, group_s, draft_s = [], {}, [], []
+        where = {id(s): b for b, s in enumerate(rows)}
+        for f in mine + ([local_fl] if local_fl else []):
+            for name, frows, sec in f.group_s:
+                group_s.append((name, [where[id(f.seqs[i])] for i in frows if id(f.seqs[i]) in where], sec))
+        for b, s in enumerate(rows):
+            f = s.flight if s.flight is not None else local_fl
+            i = next(i for i, x in enumerate(f.seqs) if x is s)
+            drafts.append(f.drafts[i])
+            if i in f.probs:
+                probs[b] = f.probs[i]
+            draft_s.append(f.launch_s + f.wait_s)
+            s.flight = None
+        self._verify(rows, drafts, probs, group_s, draft_s, outputs)
+        t3 = time.perf_counter()
+        bs["pipelined_steps"] += 1
+        bs["draft_s"] += t2 - t0
+        bs["draft_wait_s"] += sum(f.wait_s for f in mine)
+        bs["draft_flight_s"] += sum(f.done_at - f.t_launch for f in mine)
+        self.stats.draft_s += t2 - t0
+        if self.pipeline:
+            # This micro-batch's next draft calls go out now, to run during the other's pass.
+            # Rebalance first: finished sequences may have left the micro-batches uneven.
+            live = [s for s in mbs[cur] if self.active.get(s.req.request_id) is s]
+            other = [s for s in mbs[1 - cur] if self.active.get(s.req.request_id) is s]
+            move = (len(live) - len(other)) // 2
+            moved = live[len(live) - move:] if move > 0 else []
+            for s in moved:
+                s.mb = 1 - cur
+            stay = live[:len(live) - len(moved)]
+            for group in (moved, stay):  # `moved` is verified next: its calls go out first
+                if group:
+                    self._launch(group, asynchronous=True)
+            bs["draft_s"] += time.perf_counter() - t3
+            self.stats.draft_s += time.perf_counter() - t3
+
+    def _launch(self, seqs: list[_Seq], asynchronous: bool) -> _Flight:
+        """Ask each sequence's drafter for its drafts, grouped by drafter. asynchronous: send
+        the calls of drafters that can answer later (`propose_async`) and return at once; the
+        rest (and everything when not asynchronous) propose now, in this thread."""
+        t0 = time.perf_counter()
+        B = len(seqs)
         gamma = [min(s.req.gamma, self._room(s)) if s.req.draft is not None else 0 for s in seqs]
         groups: dict[str, list[int]] = {}
         for b, s in enumerate(seqs):
@@ -290,7 +460,7 @@ class SpecEngine:
                     gamma[b] = min(gamma[b], g)
                 if g == 0:
                     del groups[name]
-        group_s: dict[str, float] = {}
+        fl = _Flight(seqs=list(seqs), gamma=gamma, waiters=[], t_launch=t0)
         for name, rows in groups.items():
             drafter = self.drafters[name]
             dseqs = []
@@ -306,16 +476,29 @@ class SpecEngine:
                     ds.hidden_history = self.hidden_buf[s.slot, :s.hid_len]  # for a lost drafter's re-prefill
                     s.hid_sent = s.hid_len
                 dseqs.append(ds)
+                # The drafter's view is now committed + its drafts.
+                s.draft_keep = len(s.tokens)
             tg = time.perf_counter()
-            prop = drafter.propose(dseqs)
-            group_s[name] = time.perf_counter() - tg
-            for i, b in enumerate(rows):
-                k = prop.num_draft[i]
-                drafts[b] = prop.tokens[i, :k].tolist()
-                if prop.probs is not None and seqs[b].req.params.temperature > 0:
-                    draft_probs[b] = prop.probs[i, :k]
-                # The drafter's view is now committed + these drafts.
-                seqs[b].draft_keep = len(seqs[b].tokens)
+            if asynchronous and hasattr(drafter, "propose_async"):
+                wait = drafter.propose_async(dseqs)
+            else:
+                prop = drafter.propose(dseqs)
+                wait = (lambda prop=prop: prop)
+                if hasattr(drafter, "propose_async"):
+                    fl.blocked_s += time.perf_counter() - tg
+            fl.own_s[name] = time.perf_counter() - tg
+            fl.waiters.append((name, rows, wait))
+        if asynchronous:
+            for s in seqs:
+                s.flight = fl
+        fl.launch_s = time.perf_counter() - t0
+        return fl
+
+    def _verify(self, seqs: list[_Seq], drafts: list[list[int]], draft_probs: dict[int, torch.Tensor],
+                group_s: list[tuple[str, list[int], float]], draft_s: list[float],
+                outputs: dict[str, StepOutput]) -> None:
+        """One batched target pass over every row's drafts, acceptance, rollback, commit."""
+        B = len(seqs)
         t1 = time.perf_counter()
 
         # 2. One batched target pass over [last committed, d_1 .. d_k] for every row.
@@ -365,9 +548,10 @@ class SpecEngine:
         # 4. Roll back and commit.
         n_acc_l, out_l = n_acc.tolist(), out.tolist()
         if self.adaptive_gamma:
-            for name, rows in groups.items():
-                self.gamma_policy.observe(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows],
-                                          group_s[name])
+            for name, rows, sec in group_s:
+                if rows:
+                    self.gamma_policy.observe(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows],
+                                              sec)
         for b, s in enumerate(seqs):
             a, k = n_acc_l[b], len(drafts[b])
             # KV now holds [.., last, d_1..d_k]; keep [.., last, d_1..d_a].
@@ -384,11 +568,14 @@ class SpecEngine:
                     st.drafted_per_pos[j] += 1
                     st.accepted_per_pos[j] += j < a
             s.stats.steps += 1
-            s.stats.draft_s += t1 - t0
+            s.stats.draft_s += draft_s[b]
             s.stats.verify_s += t2 - t1
             self._commit(s, out_l[b][:a + 1], outputs)
-        self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
+        bs = self.batcher_stats
+        bs["target_passes"] += 1
+        bs["rows_verified"] += B
+        bs["verify_s"] += time.perf_counter() - t1
 
     def _keep_hidden(self, s: _Seq, h: torch.Tensor) -> None:
         """Append the target's hidden states of newly committed tokens (all but the last one)."""

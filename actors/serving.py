@@ -4,12 +4,16 @@ DraftServer    hosts one model drafter; `propose` takes a batch of DraftSeq (eac
                with its rollback point) and returns proposals. Draft KV is soft state:
                a sequence it does not know (new, or its replica was lost) is reported
                as `missing`, and the verifier re-sends it from the committed tokens.
+               Serve runs sync methods in a thread pool, so calls that overlap (a
+               pipelining verifier, several verifiers) take turns on the drafter.
 RemoteDrafter  the Drafter interface over a DraftServer deployment handle: pins each
                sequence to the replica that holds its draft KV (via the session id the
                PinnedRouter reads), re-syncs missing sequences, and retries a lost replica.
 VerifierServer hosts the target and the continuous batcher: a thread steps the engine;
                requests join at step boundaries and leave the moment they finish, are
                cancelled or pass their deadline, freeing their KV here and on the draft.
+               With `verifier.pipeline` (or `set_pipeline(True)` at run time) the engine
+               verifies one micro-batch while the draft replicas propose for the other.
 
 The verifier's engine is the source of truth for committed tokens.
 Does not know: gRPC, request validation or coalescing (the router's job).
@@ -60,28 +64,39 @@ class DraftServer:
         self.spec = spec
         self.replica = _replica_id()
         self.calls = 0
+        self.busy_s = 0.0  # time spent proposing
+        self._lock = threading.Lock()  # the drafter's KV and views are not thread-safe
 
     def propose(self, seqs: list[DraftSeq]) -> dict:
         """-> {"replica": id, "proposal": Proposal for the known rows, "rows": their indices,
-               "missing": indices of rows whose state is not here (re-send with keep=0)}."""
-        self.calls += 1
-        rows, missing = [], []
-        for i, s in enumerate(seqs):
-            have = self.drafter.view_length(s.seq_id)
-            (missing if (have is None and s.keep > 0) or (have is not None and s.keep > have) else rows).append(i)
-        prop = self.drafter.propose([seqs[i] for i in rows]) if rows else None
-        return {"replica": self.replica, "proposal": prop, "rows": rows, "missing": missing}
+               "missing": indices of rows whose state is not here (re-send with keep=0),
+               "queued_s": waiting for another call, "busy_s": proposing}."""
+        t0 = time.perf_counter()
+        with self._lock:
+            t1 = time.perf_counter()
+            self.calls += 1
+            rows, missing = [], []
+            for i, s in enumerate(seqs):
+                have = self.drafter.view_length(s.seq_id)
+                (missing if (have is None and s.keep > 0) or (have is not None and s.keep > have) else rows).append(i)
+            prop = self.drafter.propose([seqs[i] for i in rows]) if rows else None
+            busy = time.perf_counter() - t1
+            self.busy_s += busy
+        return {"replica": self.replica, "proposal": prop, "rows": rows, "missing": missing,
+                "queued_s": t1 - t0, "busy_s": busy}
 
     def release(self, seq_ids: list[int]) -> int:
-        for sid in seq_ids:
-            self.drafter.release(sid)
-        return self.drafter.num_active()
+        with self._lock:
+            for sid in seq_ids:
+                self.drafter.release(sid)
+            return self.drafter.num_active()
 
     def stats(self) -> dict:
         return {"replica_id": self.replica, "role": "draft", "name": self.spec, "node_id": _node_id(),
                 "active_sequences": self.drafter.num_active(),
                 "kv_slots_in_use": self.drafter.num_active(),
-                "kv_slots_total": getattr(getattr(self.drafter, "cache", None), "slots", 0), "calls": self.calls}
+                "kv_slots_total": getattr(getattr(self.drafter, "cache", None), "slots", 0), "calls": self.calls,
+                "busy_s": self.busy_s}
 
 
 class RemoteDrafter(Drafter):
@@ -96,6 +111,9 @@ class RemoteDrafter(Drafter):
         self.pins: dict[int, str] = {}  # seq_id -> draft replica holding its KV
         self.mirror: dict[int, list[int]] = {}  # what that replica's view should be
         self.resyncs = 0
+        # Seen from here: calls answered, and the replicas' time proposing / queued behind
+        # another call, summed over answers.
+        self.calls, self.replica_busy_s, self.replica_queued_s = 0, 0.0, 0.0
 
     def propose(self, seqs: list[DraftSeq]) -> Proposal:
         return self.propose_async(seqs)()
@@ -126,6 +144,9 @@ class RemoteDrafter(Drafter):
                     log.warning("draft %s call failed (%s); re-syncing %d sequences", self.name, e, len(rows))
                     work.append((rows, self._resync(None, [seqs[i] for i in rows])))
                     continue
+                self.calls += 1
+                self.replica_busy_s += out.get("busy_s", 0.0)
+                self.replica_queued_s += out.get("queued_s", 0.0)
                 if out["missing"]:
                     miss = [rows[i] for i in out["missing"]]
                     work.append((miss, self._resync(out["replica"], [seqs[i] for i in miss])))
@@ -180,6 +201,10 @@ class RemoteDrafter(Drafter):
     def num_active(self) -> int:
         return len(self.mirror)
 
+    def call_stats(self) -> dict:
+        return {"calls": self.calls, "replica_busy_s": self.replica_busy_s,
+                "replica_queued_s": self.replica_queued_s, "resyncs": self.resyncs}
+
 
 class VerifierServer:
     """The target model and the continuous batcher (large-accelerator pool)."""
@@ -198,6 +223,7 @@ class VerifierServer:
                              adaptive_gamma=v.adaptive_gamma, extra_drafters=remote,
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
+        self.engine.set_pipeline(v.pipeline)
         self.replica = _replica_id()
         self.inbox: queue.Queue = queue.Queue()
         self.subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -232,6 +258,15 @@ class VerifierServer:
             if not finished:  # cancelled by the caller: free the KV here and on the draft
                 self.inbox.put(("abort", rid, None))
 
+    async def set_pipeline(self, on: bool) -> dict:
+        """Turn pipelining on or off on this replica at run time (it applies at the next step
+        boundary; draft calls already in flight are verified first). Returns stats()."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.inbox.put(("pipeline", bool(on), (loop, done)))
+        await done
+        return await self.stats()
+
     async def stats(self) -> dict:
         eng = self.engine
         return {"replica_id": self.replica, "role": "verifier", "node_id": _node_id(),
@@ -239,7 +274,10 @@ class VerifierServer:
                 "queued": len(eng.waiting), "kv_slots_in_use": eng.kv_slots_in_use(),
                 "kv_slots_total": eng.max_batch, "steps": self.steps,
                 "spec": eng.stats.to_dict(),
-                "resyncs": sum(getattr(d, "resyncs", 0) for d in eng.drafters.values())}
+                "resyncs": sum(getattr(d, "resyncs", 0) for d in eng.drafters.values()),
+                "pipeline": eng.pipeline, "batcher": dict(eng.batcher_stats),
+                "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
+                                  if isinstance(d, RemoteDrafter)}}
 
     async def check_health(self) -> None:
         if not self._thread.is_alive():
@@ -271,6 +309,10 @@ class VerifierServer:
                         eng.abort(arg)
                         eng.finished.pop(arg, None)
                         self.deadlines.pop(arg, None)
+                    elif op == "pipeline":
+                        eng.set_pipeline(arg)
+                        loop, fut = extra
+                        loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
             except queue.Empty:
                 pass
             now = time.time()

@@ -20,6 +20,10 @@ Every request at one concurrency level has a distinct prompt, so nothing coalesc
 --prompts has fewer lines than the concurrency (the report counts coalesced responses).
 The in-process engine runs with the verifier's torch thread count (from the cluster config),
 HF with every core: the baseline gets the whole machine.
+
+`--pipeline-compare` (see `pipeline_compare`) measures what pipelining buys instead: one cluster,
+one remote model draft, the Verifier switched on and off through a Serve handle between
+interleaved rounds on the same prompts, with the batcher's own accounting of where time went.
 """
 from __future__ import annotations
 
@@ -330,6 +334,202 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
             "ratios": ratios, "goals": goals, "greedy_agreement_cluster_vs_inprocess_c1": agree}
 
 
+# ---------------------------------------------------------------------------------- pipelining
+PIPELINE_DRAFT = "truncated:4"
+BATCHER_KEYS = ("target_passes", "rows_verified", "pipelined_steps", "verify_s", "prefill_s", "draft_s",
+                "draft_wait_s", "draft_flight_s")
+
+
+def pipeline_config(cfg, draft: str):
+    """The cluster `pipeline_compare` starts: `cfg` with one Verifier replica (so a Serve-handle
+    toggle reaches the only one), pipelining off to start, and only `draft`, on one replica."""
+    from .config import ClusterConfig
+
+    d = cfg.draft(draft)
+    if not d.remote:
+        raise ValueError(f"--pipeline-compare needs a remote model draft; {draft!r} ({d.spec}) runs in the verifier")
+    one = {"min_replicas": 1, "max_replicas": 1, "initial_replicas": None}
+    data = cfg.model_dump(mode="json")
+    data.update(grpc_port=0, http_port=0)
+    data["verifier"]["pipeline"] = False
+    data["verifier"]["autoscaling"].update(one)
+    dd = d.model_dump(mode="json")
+    dd["autoscaling"].update(one)
+    data["drafts"] = [dd]
+    data["router"].update(default_draft=draft, coalesce=False, max_queue=max(64, data["router"]["max_queue"]))
+    return ClusterConfig.model_validate(data)
+
+
+def _verifier_stats(handle) -> dict:
+    return handle.stats.remote().result(timeout_s=60)
+
+
+def _delta(after: dict, before: dict, draft: str) -> dict:
+    b = {k: after["batcher"][k] - before["batcher"][k] for k in BATCHER_KEYS}
+    ra, rb = after["remote_drafts"].get(draft, {}), before["remote_drafts"].get(draft, {})
+    for k in ("calls", "replica_busy_s", "replica_queued_s", "resyncs"):
+        b[f"draft_{k}"] = ra.get(k, 0) - rb.get(k, 0)
+    return b
+
+
+def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRAFT, gamma: int | None = None,
+                     max_tokens: int = 48, prompts_path=None, limit: int | None = 8, rounds: int = 3,
+                     progress: bool = True, timeout: float = 600.0, match_niceness: bool = True,
+                     app_name: str = "specd") -> dict:
+    """Pipelining on against off, on one running cluster whose Verifier has a single replica.
+
+    For each round and concurrency the same prompts run once with pipelining on and once off
+    (`set_pipeline` on the Verifier through a Serve handle; the order flips every time, so drift
+    in machine load hits both alike). Per mode and concurrency: tokens/s (all tokens / summed
+    wall time), per-round tokens/s, TTFT, p50/p99 inter-token latency, α, and, from the
+    verifier's batcher accounting over the same wall time: target passes and rows per pass, time
+    in target passes, drafting the batcher waited for, and the draft replica's busy time. This
+    process must reach the cluster's Ray (it does when it started the cluster)."""
+    import ray
+    from ray import serve
+    from tqdm import tqdm
+
+    from specd_client import SpecdClient
+
+    niceness = _match_ray_niceness(address) if match_niceness else os.nice(0)
+    load_before = os.getloadavg()
+    if not ray.is_initialized():
+        ray.init(address="auto", log_to_driver=False)
+    verifier = serve.get_deployment_handle("Verifier", app_name=app_name)
+    prompts = load_prompts(prompts_path)[:limit]
+    conc = sorted(set(int(c) for c in concurrency))
+    client = SpecdClient(address, timeout=timeout)
+    try:
+        end = time.time() + 120
+        while True:
+            try:
+                if client.health() == "SERVING":
+                    break
+            except Exception:
+                if time.time() > end:
+                    raise
+            time.sleep(0.5)
+        info = client.list_models()
+        if draft not in [d.name for d in info.drafts]:
+            raise ValueError(f"draft {draft!r}: the cluster serves {[d.name for d in info.drafts]}")
+        if gamma is None:
+            gamma = next(d.default_gamma for d in info.drafts if d.name == draft)
+        initial = _verifier_stats(verifier)["pipeline"]
+        bar = tqdm(total=2 * rounds * len(conc) * len(prompts), desc="bench --pipeline-compare", unit="req",
+                   disable=not progress)
+        for on in (True, False):  # warm-up, untimed: both paths, the widest burst
+            verifier.set_pipeline.remote(on).result(timeout_s=60)
+            cluster_point(client, prompts[:max(conc)], max(conc), 8, draft, gamma)
+        points: dict[tuple, dict] = {}
+        outputs: dict[tuple, list] = {}
+        i = 0
+        for rnd in range(rounds):
+            for c in conc:
+                for on in ((True, False) if i % 2 == 0 else (False, True)):
+                    st = verifier.set_pipeline.remote(on).result(timeout_s=60)
+                    assert st["pipeline"] is on and st["active_sequences"] == 0
+                    recs, wall = cluster_point(client, prompts, c, max_tokens, draft, gamma, bar)
+                    after = _verifier_stats(verifier)
+                    if after["replica_id"] != st["replica_id"]:
+                        raise RuntimeError("the Verifier has more than one replica: the toggle reached only one")
+                    pt = points.setdefault((c, on), {"records": [], "wall": 0.0, "round_tps": [], "batcher": {}})
+                    pt["records"] += recs
+                    pt["wall"] += wall
+                    pt["round_tps"].append(sum(r["tokens"] for r in recs) / wall)
+                    for k, v in _delta(after, st, draft).items():
+                        pt["batcher"][k] = pt["batcher"].get(k, 0) + v
+                    outputs.setdefault((c, on), []).append([r["token_ids"] for r in recs])
+                i += 1
+        bar.close()
+        verifier.set_pipeline.remote(initial).result(timeout_s=60)
+    finally:
+        client.close()
+
+    results = []
+    for (c, on), pt in sorted(points.items()):
+        b = pt["batcher"]
+        wall = pt["wall"]
+        row = {"concurrency": c, "pipeline": on, "rounds": len(pt["round_tps"]),
+               **summarize(pt["records"], wall), "round_tokens_per_s": pt["round_tps"], "batcher": b,
+               "time_share": {  # of the point's wall time, in the verifier's batcher thread / on the draft
+                   "target_verify": b["verify_s"] / wall, "target_prefill": b["prefill_s"] / wall,
+                   "draft_exposed": b["draft_s"] / wall, "draft_wait": b["draft_wait_s"] / wall,
+                   "draft_replica_busy": b["draft_replica_busy_s"] / wall,
+                   "batcher_other": max(0.0, 1 - (b["verify_s"] + b["prefill_s"] + b["draft_s"]) / wall)},
+               "rows_per_pass": b["rows_verified"] / b["target_passes"] if b["target_passes"] else None,
+               "verify_ms_per_pass": 1e3 * b["verify_s"] / b["target_passes"] if b["target_passes"] else None,
+               "draft_ms_per_call": (1e3 * b["draft_replica_busy_s"] / b["draft_calls"]
+                                     if b["draft_calls"] else None),
+               # drafting the replica did that the batcher did not wait for: hidden behind target passes
+               "draft_hidden_s": max(0.0, b["draft_replica_busy_s"] - b["draft_wait_s"])}
+        results.append(row)
+    get = {(r["concurrency"], r["pipeline"]): r for r in results}
+    ratios = {}
+    for c in conc:
+        on, off = get.get((c, True)), get.get((c, False))
+        if on and off and off["tokens_per_s"]:
+            ratios[f"c{c}"] = {
+                "tokens_per_s_on_over_off": on["tokens_per_s"] / off["tokens_per_s"],
+                "itl_p50_on_over_off": (on["itl_ms"]["p50"] / off["itl_ms"]["p50"]
+                                        if on["itl_ms"]["p50"] and off["itl_ms"]["p50"] else None),
+                "per_round_tokens_per_s_on_over_off": [a / b for a, b in zip(on["round_tokens_per_s"],
+                                                                             off["round_tokens_per_s"])]}
+    agree = {}
+    for c in conc:
+        a, b = outputs.get((c, True), []), outputs.get((c, False), [])
+        pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+        if pairs:
+            agree[f"c{c}"] = sum(x == y for x, y in pairs) / len(pairs)
+    for r in results:
+        r.pop("token_ids", None)
+    return {"mode": "pipeline-compare", "address": address, "target": info.target, "draft": draft, "gamma": gamma,
+            "max_tokens": max_tokens, "prompts": len(prompts), "prompt_file": str(prompts_path or DEFAULT_PROMPTS),
+            "concurrency": conc, "rounds": rounds, "niceness": niceness, "cpu_count": os.cpu_count(),
+            "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+            "results": results, "ratios": ratios, "greedy_agreement_on_vs_off": agree}
+
+
+def render_pipeline(report: dict) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    import io
+
+    con = Console(record=True, width=170, file=io.StringIO())
+    t = Table(title=f"specd bench --pipeline-compare {report['address']}  ({report['target']}, draft "
+                    f"{report['draft']} γ={report['gamma']} on its own replica, {report['prompts']} prompts, "
+                    f"≤{report['max_tokens']} new tokens, greedy, {report['rounds']} interleaved rounds)")
+    for col in ("conc", "pipeline", "tokens", "tok/s", "tok/s per round", "TTFT p50", "ITL p50", "ITL p99",
+                "α", "passes", "rows/pass", "ms/pass", "verify", "draft exposed", "of it waiting",
+                "draft replica busy", "draft ms/call"):
+        t.add_column(col, justify="left" if col == "pipeline" else "right")
+    f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    for r in report["results"]:
+        sh = r["time_share"]
+        t.add_row(str(r["concurrency"]), "on" if r["pipeline"] else "off", str(r["tokens"]),
+                  f(r["tokens_per_s"], ".1f"), " ".join(f"{x:.1f}" for x in r["round_tokens_per_s"]),
+                  f(r["ttft_ms"]["p50"], ".0f"), f(r["itl_ms"]["p50"], ".1f"), f(r["itl_ms"]["p99"], ".1f"),
+                  f(r["acceptance_rate"], ".3f"), str(int(r["batcher"]["target_passes"])),
+                  f(r["rows_per_pass"], ".2f"), f(r["verify_ms_per_pass"], ".1f"),
+                  f"{sh['target_verify']:.0%}", f"{sh['draft_exposed']:.0%}", f"{sh['draft_wait']:.0%}",
+                  f"{sh['draft_replica_busy']:.0%}", f(r["draft_ms_per_call"], ".1f"))
+    con.print(t)
+    con.print("latencies in ms; shares are of the point's wall time: verify = target passes (+ accept, commit) in "
+              "the verifier's batcher; draft exposed = drafting the batcher did or waited for; of it waiting = "
+              "blocked on the draft replica's answers; draft replica busy = time the replica spent proposing")
+    for k, v in report["ratios"].items():
+        itl = v["itl_p50_on_over_off"]
+        con.print(f"concurrency {k[1:]}: pipelining on/off tokens/s {v['tokens_per_s_on_over_off']:.3f}× "
+                  f"(per round {', '.join(f'{x:.2f}' for x in v['per_round_tokens_per_s_on_over_off'])}), "
+                  f"ITL p50 {'—' if itl is None else format(itl, '.3f')}×")
+    if report["greedy_agreement_on_vs_off"]:
+        con.print("greedy outputs identical with pipelining on and off: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in report["greedy_agreement_on_vs_off"].items()))
+    con.print(f"{report['cpu_count']} CPUs; benchmark process niceness {report['niceness']}, 1-min load average "
+              f"{report['loadavg_1m']['before']:.1f} before, {report['loadavg_1m']['after']:.1f} after")
+    return con.export_text()
+
+
 # ---------------------------------------------------------------------------------- output
 def render(report: dict) -> str:
     from rich.console import Console
@@ -420,9 +620,14 @@ def main(args) -> int:
     from . import serve as S
     from .config import ClusterConfig
 
+    if getattr(args, "pipeline_compare", False):
+        return main_pipeline(args)
     started = False
     address = args.address
     config_path = args.config or DEFAULT_CONFIG
+    args.concurrency = args.concurrency or "1,4,16"
+    args.rounds = args.rounds or 1
+    args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
     if args.serve:
         address = S.start(ClusterConfig.load(config_path).model_copy(update={"grpc_port": 0, "http_port": 0}))
         started = True
@@ -446,4 +651,39 @@ def main(args) -> int:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(report, args.plot)
     print(f"wrote {out}, {out.with_suffix('.txt')}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def main_pipeline(args) -> int:
+    """`specd bench --serve --pipeline-compare`: start a local cluster from --config (one Verifier
+    replica, the remote draft on one replica), pipelining on against off, write JSON + table."""
+    from . import serve as S
+    from .config import ClusterConfig
+
+    config_path = args.config or DEFAULT_CONFIG
+    draft = args.draft[0] if args.draft else PIPELINE_DRAFT
+    started = False
+    address = args.address
+    if args.serve:
+        cfg = pipeline_config(ClusterConfig.load(config_path), draft)
+        address = S.start(cfg)
+        started = True
+        print(f"started a local cluster from {config_path} (one Verifier replica, {draft} on one Draft replica) "
+              f"on grpc://{address}", flush=True)
+    try:
+        report = pipeline_compare(address, tuple(int(x) for x in (args.concurrency or "4,8").split(",")), draft,
+                                  args.gamma, args.max_tokens if args.max_tokens is not None else 48, args.prompts,
+                                  args.limit if args.limit is not None else 8, args.rounds or 3,
+                                  match_niceness=not args.no_match_niceness)
+        report["config"] = str(config_path)
+    finally:
+        if started:
+            S.stop()
+    text = render_pipeline(report)
+    print(text)
+    out = Path(args.json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    out.with_suffix(".txt").write_text(text)
+    print(f"wrote {out} and {out.with_suffix('.txt')}")
     return 0

@@ -60,8 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default=None,
                    help="cluster YAML (--serve starts it; --address reads dtype, threads and draft specs from it; "
                         "default cluster/configs/local.yaml)")
-    b.add_argument("--concurrency", default="1,4,16", help="--address: concurrent requests per point")
-    b.add_argument("--rounds", type=int, default=1, help="--address: repeats of each concurrency > 1")
+    b.add_argument("--concurrency", default=None,
+                   help="--address: concurrent requests per point (default 1,4,16; --pipeline-compare: 4,8)")
+    b.add_argument("--rounds", type=int, default=None,
+                   help="--address: repeats of each concurrency > 1 (default 1; --pipeline-compare: 3)")
+    b.add_argument("--pipeline-compare", action="store_true",
+                   help="--serve/--address: pipelining on against off on one cluster and remote draft (default "
+                        "truncated:4), toggled through the Verifier's Serve handle between interleaved rounds; "
+                        "defaults 8 prompts, 48 tokens; writes out/bench_pipeline.json")
     b.add_argument("--no-inprocess", action="store_true",
                    help="--address: skip the in-process engine comparison at concurrency 1")
     b.add_argument("--no-match-niceness", action="store_true",
@@ -70,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="default out/bench.json (--local) or out/bench_cluster.json (--address/--serve)")
     b.add_argument("--plot", default=None, help="write a PNG bar chart here")
     b.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'messages' per line")
-    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--max-tokens", type=int, default=None, help="default 64 (--pipeline-compare: 48)")
     b.add_argument("--draft", action="append", default=None,
                    help="drafter to compare (repeatable); default: ngram and truncated:4")
     b.add_argument("--gamma", type=int, default=None, help="default 4 (--local) or the draft's default (--address)")
@@ -209,7 +215,8 @@ def _bench(args) -> int:
     if args.address or args.serve:
         from cluster import bench_cluster
 
-        args.json_path = args.json_path or "out/bench_cluster.json"
+        args.json_path = args.json_path or ("out/bench_pipeline.json" if args.pipeline_compare
+                                            else "out/bench_cluster.json")
         return bench_cluster.main(args)
     if not args.local:
         raise ValueError("give --local (in-process engine), --address HOST:PORT (a running cluster) "
@@ -218,6 +225,7 @@ def _bench(args) -> int:
 
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
+    args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
 
     from cluster import bench
 

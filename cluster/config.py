@@ -93,7 +93,9 @@ class DraftConfig(DeploymentSpec):
 
 class VerifierConfig(DeploymentSpec):
     max_batch: int = Field(8, ge=1, le=256, description="sequences verified together (KV slots)")
-    pipeline: bool = Field(True, description="draft one micro-batch while the target verifies the other")
+    pipeline: bool = Field(False, description="split sequences with remote drafts into two micro-batches and "
+                           "verify one while the draft replicas propose for the other (greedy output unchanged; "
+                           "VerifierServer.set_pipeline toggles it at run time)")
     adaptive_gamma: bool = Field(False, description="treat request γ as a maximum, choose per step")
 
 
