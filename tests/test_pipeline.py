@@ -350,5 +350,6 @@ def test_bench_pipeline_compare_report(cluster, verifier, tmp_path):
         assert (b["pipelined_steps"] > 0) == r["pipeline"]
         assert 0 <= r["time_share"]["draft_wait"] <= r["time_share"]["draft_exposed"] <= 1
     assert set(rep["ratios"]) == {"c2", "c3"} and rep["greedy_agreement_on_vs_off"] == {"c2": 1.0, "c3": 1.0}
+    assert set(rep["greedy_agreement_across_rounds"].values()) == {1.0}  # fp32
     assert "pipelining on/off tokens/s" in render_pipeline(rep)
     assert verifier.stats.remote().result()["pipeline"] is True  # the cluster's setting is restored
