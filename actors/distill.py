@@ -165,7 +165,7 @@ class Student(torch.nn.Module):
         tm = target.model
         if kind == "eagle":
             from .drafters.eagle import EagleHead
-            self.head = EagleHead(tm, vmap)
+            self.head = EagleHead(tm, vmap, init=(small_cfg or {}).get("eagle_init", "last"))
             self.token_level = False
         else:
             from transformers import LlamaConfig, LlamaForCausalLM
@@ -183,7 +183,8 @@ class Student(torch.nn.Module):
             elif kind == "small":
                 c = tm.config
                 sc = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 2,
-                      "num_attention_heads": 3, "num_key_value_heads": 1, **(small_cfg or {})}
+                      "num_attention_heads": 3, "num_key_value_heads": 1,
+                      **{k: v for k, v in (small_cfg or {}).items() if k != "eagle_init"}}
                 cfg = LlamaConfig(vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
                                   rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
                                   bos_token_id=getattr(c, "bos_token_id", None),
@@ -236,15 +237,17 @@ def loss_fn(objective: str, s: torch.Tensor, t: torch.Tensor, nxt: torch.Tensor,
 
 # ---- evaluation ----------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(student: Student, target: LoadedModel, seqs: list[TeacherSeq], max_gamma: int = 8) -> dict:
+def evaluate(student: Student, target: LoadedModel, seqs: list[TeacherSeq], max_gamma: int = 8,
+             by_domain: bool = False) -> dict:
     """Held-out greedy acceptance: from every generated position, draft up to `max_gamma` tokens
-    and count how many match the target's own greedy choice (argmax of its LM head)."""
+    and count how many match the target's own greedy choice (argmax of its LM head).
+    by_domain: {"all": stats, domain: stats, ...} instead of one stats dict."""
     student.eval()
     W = target.model.lm_head.weight.detach().float()
-    runs = []  # accepted run length per start (capped at max_gamma)
+    runs: dict[str, list[int]] = {}  # accepted run length per start (capped at max_gamma), by domain
     for s in seqs:
         L = len(s.ids)
-        if L - s.num_prompt < 2:
+        if L - s.num_prompt < max_gamma + 1:
             continue
         tokens = torch.tensor(s.ids)[None]
         h = s.hidden.float()[None]
@@ -252,32 +255,36 @@ def evaluate(student: Student, target: LoadedModel, seqs: list[TeacherSeq], max_
         out = student.predict(tokens, h, max_gamma if not student.token_level else 1)
         logits = out[0]  # token-level: [B, L, R] logits; eagle: per-step list of them
         if student.token_level:
-            d = student.vmap[logits[0].argmax(-1)]  # [L]
-            match = (d == tgt)  # position q: the draft after x_<=q agrees with the target
-            starts = range(s.num_prompt - 1, L - max_gamma)
-            for p in starts:
-                a = 0
-                while a < max_gamma and match[p + a]:
-                    a += 1
-                runs.append(a)
+            # A token-level draft's greedy proposals depend only on tokens: while it matches,
+            # its inputs are the real sequence, so step j at start p is the prediction at p+j-1.
+            match = student.vmap[logits[0].argmax(-1)] == tgt  # [L]
+            steps = [match[j:] for j in range(max_gamma)]
         else:
-            steps = [student.vmap[lg[0].argmax(-1)] for lg in logits]  # step j: [L] (at start p)
-            for p in range(s.num_prompt - 1, L - max_gamma):
-                a = 0
-                while a < max_gamma and steps[a][p] == tgt[p + a]:
-                    a += 1
-                runs.append(a)
+            # Step j+1 at start p drafts the token after position p+j: compare with tgt[p+j].
+            steps = [student.vmap[lg[0].argmax(-1)][: L - j] == tgt[j:] for j, lg in enumerate(logits)]
+        rl = runs.setdefault(s.domain, [])
+        for p in range(s.num_prompt, L - max_gamma):
+            a = 0
+            while a < max_gamma and bool(steps[a][p]):
+                a += 1
+            rl.append(a)
     student.train()
+    allruns = [a for r in runs.values() for a in r]
+    if not by_domain:
+        return _acceptance(allruns, max_gamma)
+    return {"all": _acceptance(allruns, max_gamma), **{d: _acceptance(r, max_gamma) for d, r in sorted(runs.items())}}
+
+
+def _acceptance(runs: list[int], max_gamma: int) -> dict:
     runs_t = torch.tensor(runs, dtype=torch.float)
     per_pos = []
     for j in range(max_gamma):
         reached = (runs_t >= j).sum().item()
         per_pos.append((runs_t >= j + 1).sum().item() / reached if reached else 0.0)
-    mal = {g: 1.0 + runs_t.clamp(max=g).mean().item() for g in range(1, max_gamma + 1)}
-    return {"positions": len(runs), "alpha_per_position": per_pos,
-            "alpha": leviathan_alpha(mal[4] if max_gamma >= 4 else mal[max_gamma], min(4, max_gamma)),
-            "accepted_at_gamma4": (mal[min(4, max_gamma)] - 1) / min(4, max_gamma),
-            "mean_accepted_length": mal}
+    mal = {g: 1.0 + (runs_t.clamp(max=g).mean().item() if runs else 0.0) for g in range(1, max_gamma + 1)}
+    g4 = min(4, max_gamma)
+    return {"positions": len(runs), "alpha_per_position": per_pos, "alpha": leviathan_alpha(mal[g4], g4),
+            "accepted_at_gamma4": (mal[g4] - 1) / g4, "mean_accepted_length": mal}
 
 
 def leviathan_alpha(tokens_per_pass: float, gamma: int) -> float:
@@ -338,14 +345,15 @@ class DistillConfig:
     objective: str = "fkl"
     temperature: float = 1.0
     head_vocab: int = 8192  # 0: the full vocabulary
-    steps: int = 300
+    steps: int = 800
     batch: int = 8
     max_len: int = 320  # tokens per training sequence (longer ones are cut)
-    lr: float = 5e-4
-    ttt_steps: int = 3  # eagle: drafting steps unrolled in training (training-time test)
-    reg_weight: float = 0.5  # eagle: smooth-L1 pull of predicted features toward the target's
+    lr: float = 3e-3
+    ttt_steps: int = 2  # eagle: drafting steps unrolled in training (training-time test)
+    reg_weight: float = 0.1  # eagle: smooth-L1 pull of predicted features toward the target's
     noise: float = 0.05  # eagle: uniform noise on input features
     eval_every: int = 0  # 0: evaluate only before and after
+    gen_only: bool = True  # score only generated positions (prompts are context)
     seed: int = 0
     small: dict = field(default_factory=dict)
 
@@ -359,7 +367,7 @@ def _batches(seqs: list[TeacherSeq], cfg: DistillConfig, rng: random.Random):
         yield from chunks
 
 
-def _collate(seqs: list[TeacherSeq], idx: list[int], max_len: int, vrow: torch.Tensor):
+def _collate(seqs: list[TeacherSeq], idx: list[int], max_len: int, vrow: torch.Tensor, gen_only: bool = True):
     L = min(max_len, max(len(seqs[i].ids) for i in idx))
     B = len(idx)
     E = seqs[idx[0]].hidden.shape[-1]
@@ -371,7 +379,8 @@ def _collate(seqs: list[TeacherSeq], idx: list[int], max_len: int, vrow: torch.T
         n = min(L, len(s.ids))
         tokens[b, :n] = torch.tensor(s.ids[:n])
         hidden[b, :n] = s.hidden[:n].float()
-        valid[b, :n] = True
+        # Score generated positions only (prompts, with their repeated system text, stay context).
+        valid[b, (s.num_prompt - 1 if gen_only else 0):n] = True
     nxt = torch.full((B, L), -1, dtype=torch.long)
     nxt[:, :-1] = torch.where(valid[:, 1:], vrow[tokens[:, 1:]], -1)
     return tokens, hidden, valid, nxt
@@ -395,7 +404,7 @@ def train(student: Student, target: LoadedModel, seqs: list[TeacherSeq], held: l
     t0 = time.perf_counter()
     student.train()
     for step in range(1, cfg.steps + 1):
-        tokens, hidden, valid, nxt = _collate(seqs, next(batches), cfg.max_len, vrow)
+        tokens, hidden, valid, nxt = _collate(seqs, next(batches), cfg.max_len, vrow, cfg.gen_only)
         t_logits = F.linear(hidden, W_R)  # [B, L, R] teacher at every position
         out = student.predict(tokens, hidden, cfg.ttt_steps, cfg.noise)
         s_logits, feats = (out, None) if student.token_level else out
@@ -479,13 +488,9 @@ def run(target_spec: str = "smollm2", out: str | Path = "out/draft", data: str |
     coverage = _coverage(held, vmap, vocab)
 
     student = Student(cfg.kind, target, vmap, cfg.small)
-    domains = sorted({s.domain for s in held})
 
     def ev() -> dict:
-        res = {"all": evaluate(student, target, held)}
-        for d in domains:
-            res[d] = evaluate(student, target, [s for s in held if s.domain == d])
-        return res
+        return evaluate(student, target, held, by_domain=True)
 
     before = ev()
     tr = train(student, target, train_seqs, held, cfg, progress)

@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle: drafting steps unrolled in training")
     p.add_argument("--reg-weight", type=float, default=d.reg_weight, help="eagle: feature regression weight")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out α every N steps (0: end only)")
+    p.add_argument("--eagle-init", default="last", choices=["last", "random"],
+                   help="eagle: start the head's layer from the target's last layer, or at random")
     p.add_argument("--small-layers", type=int, default=2, help="small: decoder layers")
     p.add_argument("--small-hidden", type=int, default=192, help="small: hidden size")
     p.add_argument("--data", default=None, help="JSONL of prompts/texts (default: the committed corpus)")
@@ -58,7 +60,7 @@ def run(args) -> int:
                         eval_every=args.eval_every, seed=args.seed,
                         small={"num_hidden_layers": args.small_layers, "hidden_size": args.small_hidden,
                                "intermediate_size": args.small_hidden * 8 // 3, "num_attention_heads": heads,
-                               "num_key_value_heads": 1})
+                               "num_key_value_heads": 1, "eagle_init": args.eagle_init})
     report = distill(args.model, args.out, data=args.data, heldout=args.heldout, domain=args.domain, cfg=cfg,
                      max_new=args.max_new, dtype=args.dtype, limit=args.limit)
     text = render(report)

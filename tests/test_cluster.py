@@ -30,6 +30,9 @@ def cluster():
         "verifier": {"max_batch": 4, "resources": {"custom": {"large_accel": 1}}},
         "drafts": [{"name": "ngram", "spec": "ngram"},
                    {"name": "truncated:4", "spec": "truncated:4", "max_batch": 4,
+                    "resources": {"custom": {"small_accel": 1}}},
+                   # the shipped EAGLE head on its own replica: target hidden states cross over
+                   {"name": "eagle", "spec": "default", "max_batch": 4,
                     "resources": {"custom": {"small_accel": 1}}}]})
     addr = S.start(cfg)
     client = SpecdClient(addr, timeout=120)
@@ -64,7 +67,7 @@ def wait_kv_free(client, timeout=20.0):
     raise AssertionError(f"KV still held: {client.stats().replicas}")
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram", "truncated:4"])
+@pytest.mark.parametrize("draft", ["none", "ngram", "truncated:4", "eagle"])
 def test_greedy_over_grpc_equals_hf_generate(cluster, hf_ref, draft):
     r = cluster.generate(messages=QUESTION, max_tokens=32, draft=draft, gamma=4)
     assert r.token_ids == hf_ref
@@ -72,8 +75,10 @@ def test_greedy_over_grpc_equals_hf_generate(cluster, hf_ref, draft):
     assert [t for c in chunks for t in c.token_ids] == hf_ref
     assert "".join(c.text for c in chunks) == r.text and r.text
     assert chunks[-1].finish_reason == r.finish_reason and all(c.finish_reason is None for c in chunks[:-1])
-    if draft == "truncated:4":
+    if draft in ("truncated:4", "eagle"):
         assert r.spec_stats["draft_tokens"] > 0  # drafts really came from the Draft replica
+    if draft == "eagle":
+        assert r.spec_stats["accepted_tokens"] > 0  # the head read real target features
 
 
 BAD = [
@@ -154,13 +159,15 @@ def test_overload_is_resource_exhausted_and_others_complete(cluster):
     assert all(len(r.token_ids) == 24 for r in done)
 
 
-def test_lost_draft_replica_is_resynced_and_output_identical(cluster, hf_ref):
+@pytest.mark.parametrize("draft,actor", [("truncated:4", "Draft-truncated-4"), ("eagle", "Draft-eagle")])
+def test_lost_draft_replica_is_resynced_and_output_identical(cluster, hf_ref, draft, actor):
     """Kill the Draft replica mid-stream: the verifier re-sends the sequence's committed tokens
-    to a fresh replica and the greedy output stays identical."""
-    it = cluster.stream(messages=QUESTION, max_tokens=32, draft="truncated:4", gamma=2)
+    (and, for a feature head, every committed token's target hidden state) to a fresh replica
+    and the greedy output stays identical."""
+    it = cluster.stream(messages=QUESTION, max_tokens=32, draft=draft, gamma=2)
     got = list(next(it).token_ids)
     name = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                if "Draft-truncated-4" in a["name"])
+                if actor in a["name"])
     ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
     for chunk in it:
         got += chunk.token_ids

@@ -60,7 +60,7 @@ class EagleHead(nn.Module):
     can serve it unchanged; training runs its own forward over the same weights.
     """
 
-    def __init__(self, target_hf, vocab_map: torch.Tensor):
+    def __init__(self, target_hf, vocab_map: torch.Tensor, init: str = "last"):
         super().__init__()
         from transformers import LlamaForCausalLM
 
@@ -69,16 +69,22 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.register_buffer("vocab_map", vocab_map.clone().long(), persistent=False)
         tgt = target_hf.model
+        if init not in ("last", "random"):
+            raise ValueError(f"init must be 'last' or 'random', got {init!r}")
         with torch.no_grad():
+            if init == "random":  # the HF initialisation of the layer; fc: a small mix of both inputs
+                E = cfg.hidden_size
+                self.fc.weight.normal_(0.0, 1.0 / math.sqrt(2 * E))
             # Start from the target's last layer and final norm: a head that begins as "one
             # more target layer" learns far faster than a random one.
-            self.shell.model.layers[0].load_state_dict(tgt.layers[-1].state_dict())
             self.shell.model.norm.weight.copy_(tgt.norm.weight)
-            # fc starts as "take the token embedding" + a little of the feature.
-            E = cfg.hidden_size
-            self.fc.weight.zero_()
-            self.fc.weight[:, :E].copy_(torch.eye(E))
-            self.fc.weight[:, E:].copy_(0.1 * torch.eye(E))
+            if init == "last":
+                self.shell.model.layers[0].load_state_dict(tgt.layers[-1].state_dict())
+                # fc starts as "take the token embedding" + a little of the feature.
+                E = cfg.hidden_size
+                self.fc.weight.zero_()
+                self.fc.weight[:, :E].copy_(torch.eye(E))
+                self.fc.weight[:, E:].copy_(0.1 * torch.eye(E))
         # Frozen target parts (not saved: rebuilt from the target at load time).
         self.embed = tgt.embed_tokens.weight.detach()  # [V, E]
         self.head_w = target_hf.lm_head.weight.detach()[self.vocab_map]  # [R, E]
