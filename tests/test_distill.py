@@ -30,11 +30,18 @@ def target():
 def data(target, tmp_path_factory):
     """On-policy teacher data from the tiny target: greedy and sampled continuations."""
     import os
-    os.environ.setdefault("SPECD_CACHE", str(tmp_path_factory.mktemp("cache")))
-    rng = random.Random(0)
-    rows = [{"ids": [rng.randrange(3, 512) for _ in range(rng.randrange(4, 9))], "domain": "d"}
-            for _ in range(48)]
-    seqs = D.teacher_data(target, rows, max_new=40, progress=False, tag="test")
+    old = os.environ.get("SPECD_CACHE")
+    os.environ["SPECD_CACHE"] = str(tmp_path_factory.mktemp("cache"))  # the teacher cache, not the user's
+    try:
+        rng = random.Random(0)
+        rows = [{"ids": [rng.randrange(3, 512) for _ in range(rng.randrange(4, 9))], "domain": "d"}
+                for _ in range(48)]
+        seqs = D.teacher_data(target, rows, max_new=40, progress=False, tag="test")
+    finally:
+        if old is None:
+            os.environ.pop("SPECD_CACHE", None)
+        else:
+            os.environ["SPECD_CACHE"] = old
     return seqs[:80], seqs[80:]  # train / held-out: rows 0-39 and 40-47 (greedy + sampled each)
 
 
