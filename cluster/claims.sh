@@ -9,5 +9,6 @@ $B distill --kind eagle --objective fkl --steps $S --out $O/eagle-fkl
 $B distill --kind eagle --objective ntp --steps $S --out $O/eagle-ntp
 $B distill --kind eagle --objective fkl --steps $S --domain code --out $O/eagle-fkl-code
 $B distill --kind truncated:4 --objective fkl --steps $S --out $O/truncated4-fkl
+$B distill --kind truncated:4 --objective ntp --steps $S --out $O/truncated4-ntp
 $B distill --kind small --objective fkl --steps $S --out $O/small-fkl
 .venv/bin/python -c "from cluster.distill_cli import compare; import glob; print(compare(sorted(glob.glob('$O/*/'))))" | tee $O/table.txt
