@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
     d.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
     d.add_argument("--draft", default="ngram", help="draft for the streamed answers")
-    d.add_argument("--gamma", type=int, default=4)
+    d.add_argument("--gamma", type=int, default=None,
+                   help="draft tokens per step (default: each draft's default_gamma from the config; 4 locally)")
     d.add_argument("--max-tokens", type=int, default=80)
     _add_model_args(d)
     from .distill_cli import add_parser as add_distill
@@ -295,11 +296,16 @@ def _demo_cluster(args) -> int:
                   f"(replicas: {', '.join(roles)})", flush=True)
             msgs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
 
+            gammas = {d.name: d.default_gamma for d in cfg.drafts}
+
+            def gamma_of(draft: str) -> int:
+                return args.gamma if args.gamma is not None else gammas.get(draft, 4)
+
             def one(i: int, draft: str, show: bool = False) -> tuple[int, float, dict | None]:
                 n, stats = 0, None
                 t = time.perf_counter()
                 for chunk in client.stream(messages=msgs[i], max_tokens=args.max_tokens, draft=draft,
-                                           gamma=args.gamma if draft != "none" else 0):
+                                           gamma=0 if draft == "none" else gamma_of(draft)):
                     n += len(chunk.token_ids)
                     stats = chunk.spec_stats or stats
                     if show:
@@ -355,7 +361,7 @@ def _demo_local(args) -> int:
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft
 
-    gamma = args.gamma if spec else 0
+    gamma = (4 if args.gamma is None else args.gamma) if spec else 0
 
     def one(i: int, draft, g: int, show: bool):
         req = Request(f"demo-{i}-{g}", ids[i], SamplingParams(max_tokens=args.max_tokens), draft, g)
