@@ -123,7 +123,6 @@ def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, samp
 
 def teacher_hidden(runner: LlamaRunner, seqs: list[tuple[list[int], int, str]], batch: int = 8) -> list[TeacherSeq]:
     """One prefill per sequence batch: the target's final hidden state at every position."""
-    out = []
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     res: dict[int, TeacherSeq] = {}
     for c in range(0, len(order), batch):
@@ -137,8 +136,7 @@ def teacher_hidden(runner: LlamaRunner, seqs: list[tuple[list[int], int, str]], 
         for b, i in enumerate(idx):
             ids, n_prompt, dom = seqs[i]
             res[i] = TeacherSeq(list(ids), n_prompt, dom, h[b, :lens[b]].clone())
-    out = [res[i] for i in range(len(seqs))]
-    return out
+    return [res[i] for i in range(len(seqs))]
 
 
 def head_vocab(seqs: list[TeacherSeq], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -311,10 +309,8 @@ def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> 
     runner = LlamaRunner(target.model)
     cache = runner.new_cache(1, ctx + 64)
     ids = torch.randint(10, runner.vocab_size - 1, (1, ctx))
-    runner.forward(cache, [0], ids)
-    hidden = None
-    if drafter.wants_hidden:
-        hidden = runner.forward(runner.new_cache(1, ctx + 64), [0], ids)[0, :-1]
+    h = runner.forward(cache, [0], ids)  # the context, once: its KV for the target, its features for a head
+    hidden = h[0, :-1] if drafter.wants_hidden else None
     seq = DraftSeq(seq_id=0, keep=0, new_tokens=ids[0].tolist(), gamma=1, hidden=hidden, hidden_start=0)
     drafter.propose([seq])
     tt, td = [], []

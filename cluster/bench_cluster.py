@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 
 from .bench import DEFAULT_PROMPTS, load_prompts
+from .serve import wait_serving
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
 
@@ -210,15 +211,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
     conc = sorted(set(int(c) for c in concurrency))
     client = SpecdClient(address, timeout=timeout)
     try:
-        end = time.time() + 120
-        while True:
-            try:
-                if client.health() == "SERVING":
-                    break
-            except Exception:
-                if time.time() > end:
-                    raise
-            time.sleep(0.5)
+        wait_serving(client, timeout=120, poll=0.5)
         info = client.list_models()
         names = [d.name for d in info.drafts]
         draft = draft or info.default_draft or (names[0] if names else "none")
@@ -400,15 +393,7 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
     conc = sorted(set(int(c) for c in concurrency))
     client = SpecdClient(address, timeout=timeout)
     try:
-        end = time.time() + 120
-        while True:
-            try:
-                if client.health() == "SERVING":
-                    break
-            except Exception:
-                if time.time() > end:
-                    raise
-            time.sleep(0.5)
+        wait_serving(client, timeout=120, poll=0.5)
         info = client.list_models()
         if draft not in [d.name for d in info.drafts]:
             raise ValueError(f"draft {draft!r}: the cluster serves {[d.name for d in info.drafts]}")

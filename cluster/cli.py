@@ -283,14 +283,7 @@ def _demo_cluster(args) -> int:
     try:
         addr = S.start(cfg)
         with SpecdClient(addr, timeout=300) as client:
-            while True:
-                try:
-                    if client.health() == "SERVING":
-                        break
-                except Exception:
-                    if time.perf_counter() - t0 > 300:
-                        raise
-                time.sleep(0.5)
+            S.wait_serving(client, timeout=300, poll=0.5)
             roles = [f"{r.role} {r.replica_id.split('#')[-1]}" for r in client.stats().replicas]
             print(f"[specd demo] serving on grpc://{addr} after {time.perf_counter() - t0:.0f} s "
                   f"(replicas: {', '.join(roles)})", flush=True)

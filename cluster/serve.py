@@ -7,6 +7,7 @@ existing cluster (KubeRay), whose nodes declare real accelerators.
 from __future__ import annotations
 
 import socket
+import time
 
 from .config import ClusterConfig
 
@@ -51,3 +52,19 @@ def stop() -> None:
 
     serve.shutdown()
     ray.shutdown()
+
+
+def wait_serving(client, timeout: float = 120.0, poll: float = 0.3) -> None:
+    """Block until the cluster behind `client` (a SpecdClient) reports SERVING; raise the last
+    error (or TimeoutError) if it does not within `timeout` seconds."""
+    end = time.time() + timeout
+    while True:
+        try:
+            if client.health() == "SERVING":
+                return
+            err: Exception = TimeoutError(f"cluster not SERVING after {timeout:.0f} s")
+        except Exception as e:  # not up yet: the proxy or the app is still starting
+            err = e
+        if time.time() > end:
+            raise err
+        time.sleep(poll)

@@ -49,14 +49,7 @@ def config() -> ClusterConfig:
 def cluster():
     addr = S.start(config())
     client = SpecdClient(addr, timeout=180)
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if client.health() == "SERVING":
-                break
-        except Exception:
-            pass
-        time.sleep(0.3)
+    S.wait_serving(client, timeout=90)
     yield client
     client.close()
     S.stop()

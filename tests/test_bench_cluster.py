@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -32,14 +31,7 @@ def cluster(tmp_path_factory):
     path.write_text(cfg.dump())
     addr = S.start(cfg)
     with SpecdClient(addr, timeout=60) as c:
-        end = time.time() + 60
-        while time.time() < end:
-            try:
-                if c.health() == "SERVING":
-                    break
-            except Exception:
-                pass
-            time.sleep(0.3)
+        S.wait_serving(c, timeout=60)
     yield addr, path
     S.stop()
 

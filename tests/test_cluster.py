@@ -36,9 +36,7 @@ def cluster():
                     "resources": {"custom": {"small_accel": 1}}}]})
     addr = S.start(cfg)
     client = SpecdClient(addr, timeout=120)
-    deadline = time.time() + 60
-    while client.health() != "SERVING" and time.time() < deadline:
-        time.sleep(0.5)
+    S.wait_serving(client, timeout=60)
     yield client
     client.close()
     S.stop()

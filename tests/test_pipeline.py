@@ -252,14 +252,7 @@ def cluster():
     addr = S.start(cfg)
     ADDRESS.append(addr)
     client = SpecdClient(addr, timeout=120)
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if client.health() == "SERVING":
-                break
-        except Exception:
-            pass
-        time.sleep(0.3)
+    S.wait_serving(client, timeout=90)
     yield client
     client.close()
     S.stop()
