@@ -7,8 +7,6 @@ Draft specs (one name space for the CLI, the bench and, later, the cluster confi
   PATH             a separate draft model: any local Hugging Face llama-family directory, or a
                    checkpoint written by `specd distill` (EAGLE head, trained truncated or small model)
   "default"        the distilled draft shipped for the target (see DEFAULT_DRAFTS)
-
-Also owns prompt encoding (plain text, or chat messages through the chat template).
 """
 from __future__ import annotations
 
@@ -83,8 +81,6 @@ def load_distilled(path: str, target: LoadedModel, max_batch: int, max_len: int)
                             max_len=max_len, vocab_map=vmap, vocab_size=target.model.config.vocab_size)
     raise ValueError(f"draft {path!r}: unknown checkpoint kind {meta['kind']!r}")
 
-ROLES = ("system", "user", "assistant", "tool")
-
 
 def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
                  dtype: str | torch.dtype | None = None) -> Drafter | None:
@@ -118,10 +114,11 @@ class Built:
 def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "bf16",
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
                  adaptive_gamma: bool = False, extra_drafters: dict[str, Drafter] | None = None,
-                 seq_id_base: int = 0) -> Built:
+                 seq_id_base: int = 0, pipeline: bool = False, prefill_chunk: int = 512,
+                 default_gamma: dict[str, int] | None = None) -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
-    seq_id_base: first drafter-side sequence id (distinct per engine on shared drafters)."""
+    The rest as `SpecEngine` takes them."""
     target = load_model(model, dtype, device)
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
@@ -133,26 +130,6 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     drafters.update(extra_drafters or {})
     engine = SpecEngine(LlamaRunner(target.model), drafters, tokenizer=target.tokenizer,
                         eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
-                        adaptive_gamma=adaptive_gamma, seq_id_base=seq_id_base)
+                        adaptive_gamma=adaptive_gamma, seq_id_base=seq_id_base, pipeline=pipeline,
+                        prefill_chunk=prefill_chunk, default_gamma=default_gamma)
     return Built(engine, target, drafters)
-
-
-def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-    """Token ids for a plain prompt, or for chat messages with the generation prompt appended."""
-    if (prompt is None) == (messages is None):
-        raise ValueError("give exactly one of prompt or messages")
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer: pass token ids")
-    if messages is not None:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}].role must be one of {list(ROLES)} with string content, got {m!r}")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    return tokenizer.encode(prompt, add_special_tokens=False)

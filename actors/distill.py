@@ -33,11 +33,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .build import DRAFT_META, encode_prompt
+from .build import DRAFT_META
 from .drafters.base import KV_HEADROOM
-from .engine import Request, SamplingParams, SpecEngine
+from .engine import SpecEngine
+from .gamma import draft_step_seconds
 from .llama import LlamaRunner
 from .models import LoadedModel, cache_dir, vocab_fingerprint
+from .schema import Request, SamplingParams
+from .text import encode_prompt
 
 OBJECTIVES = ("fkl", "rkl", "tv", "ntp")
 KINDS = ("eagle", "truncated:K", "small")
@@ -81,7 +84,7 @@ def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, samp
     runner = LlamaRunner(target.model)
     eng = SpecEngine(runner, {}, tokenizer=None, eos_token_ids=target.eos_token_ids,  # no text needed
                      max_batch=batch, max_len=min(1024, runner.max_position - KV_HEADROOM))
-    reqs, meta = [], {}
+    reqs, meta = [], []
     fixed: list[tuple[list[int], int, str]] = []  # texts: no generation
     for i, r in enumerate(rows):
         dom = r.get("domain", "general")
@@ -99,22 +102,18 @@ def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, samp
             ids = encode_prompt(target.tokenizer, r.get("prompt"), r.get("messages"))
         modes = [("g", 0.0)] + ([("s", temperature)] if sampled else [])
         for m, t in modes:
-            rid = f"{i}{m}"
-            reqs.append(Request(rid, list(ids), SamplingParams(max_tokens=max_new, temperature=t, seed=seed + i),
-                                None, 0))
-            meta[rid] = dom
-    done: dict[str, tuple[list[int], int, str]] = {}
+            reqs.append(Request(f"{i}{m}", list(ids), SamplingParams(max_tokens=max_new, temperature=t,
+                                                                     seed=seed + i)))
+            meta.append(dom)
     bar = _bar(len(reqs), "teacher generations", progress)
-    for req in reqs:
-        eng.add_request(req)
+    keys = {eng.add_request(r): i for i, r in enumerate(reqs)}
+    gen: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
     while eng.has_work():
-        for o in eng.step():
-            if o.finished:
-                s = eng.finished.pop(o.request_id)
-                done[o.request_id] = (s.tokens, s.num_prompt, meta[o.request_id])
-                bar.update(1)
+        for key, delta in eng.step().items():
+            gen[keys[key]] += delta.token_ids
+            bar.update(int(delta.finished))
     bar.close()
-    out = list(fixed) + [done[r.request_id] for r in reqs]  # corpus order, whatever finished first
+    out = list(fixed) + [(r.prompt_ids + gen[i], len(r.prompt_ids), meta[i]) for i, r in enumerate(reqs)]
     seqs = teacher_hidden(runner, out)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save([asdict(s) for s in seqs], path)
@@ -302,18 +301,12 @@ def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
 
 
 def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> dict:
-    """Median seconds of one target decode step and one draft step (γ=1 propose minus catch-up is
-    awkward to isolate, so: one draft forward of one token + its head), interleaved."""
-    from .drafters.base import DraftSeq
-
+    """Median seconds of one target decode step and one draft step (`gamma.draft_step_seconds`)."""
     runner = LlamaRunner(target.model)
     cache = runner.new_cache(1, ctx + 64)
     ids = torch.randint(10, runner.vocab_size - 1, (1, ctx))
     h = runner.forward(cache, [0], ids)  # the context, once: its KV for the target, its features for a head
-    hidden = h[0, :-1] if drafter.wants_hidden else None
-    seq = DraftSeq(seq_id=0, keep=0, new_tokens=ids[0].tolist(), gamma=1, hidden=hidden, hidden_start=0)
-    drafter.propose([seq])
-    tt, td = [], []
+    tt = []
     tok = torch.tensor([[5]])
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -321,17 +314,10 @@ def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> 
             runner.logits(runner.forward(cache, [0], tok)[:, -1])
         tt.append(time.perf_counter() - t0)
         cache.truncate(0, ctx)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            last = drafter.runner.forward(drafter.cache, [0], None if drafter.wants_hidden else tok,
-                                          embeds=drafter._inputs(tok[0], torch.zeros(1, runner.hidden_size))[None]
-                                          if drafter.wants_hidden else None)[:, -1]
-            drafter.runner.logits(last)
-        td.append(time.perf_counter() - t0)
-        drafter.cache.truncate(0, drafter.cache.lengths[0] - 1)
-    drafter.release(0)
-    med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
-    return {"target_step_s": med(tt), "draft_step_s": med(td), "c": med(td) / med(tt)}
+    with torch.inference_mode():
+        td = draft_step_seconds(drafter, ids[0].tolist(), h[0, :-1], reps=reps)
+    tt = sorted(tt)[len(tt) // 2]
+    return {"target_step_s": tt, "draft_step_s": td, "c": td / tt}
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -444,14 +430,11 @@ def _bar(total: int, desc: str, enabled: bool):
 
 
 # ---- one run -------------------------------------------------------------------------------------
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "cluster" / "data" / "distill_prompts.jsonl"
-DEFAULT_HELDOUT = Path(__file__).resolve().parent.parent / "cluster" / "data" / "prompts.jsonl"
-
-
-def run(target_spec: str = "smollm2", out: str | Path = "out/draft", data: str | Path | None = None,
-        heldout: str | Path | None = None, domain: str | None = None, cfg: DistillConfig | None = None,
-        max_new: int = 128, dtype: str = "bf16", limit: int | None = None, progress: bool = True) -> dict:
-    """Train one draft and write its checkpoint plus `report.json` into `out`; returns the report."""
+def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out: str | Path = "out/draft",
+        domain: str | None = None, cfg: DistillConfig | None = None, max_new: int = 128, dtype: str = "bf16",
+        limit: int | None = None, progress: bool = True) -> dict:
+    """Train one draft on the corpus `data` (see `read_corpus`), evaluate it on the prompts of
+    `heldout`, and write its checkpoint plus `report.json` into `out`; returns the report."""
     from .build import make_drafter
     from .models import load_model
 
@@ -461,12 +444,12 @@ def run(target_spec: str = "smollm2", out: str | Path = "out/draft", data: str |
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     target = load_model(target_spec, dtype)
-    rows = read_corpus(data or DEFAULT_CORPUS)
+    rows = read_corpus(data)
     for r in rows:
         r.setdefault("domain", r.get("kind", "general"))
     if limit:
         rows = rows[:limit]
-    held_rows = read_corpus(heldout or DEFAULT_HELDOUT)
+    held_rows = read_corpus(heldout)
     for r in held_rows:
         r.setdefault("domain", r.get("kind", "general"))
     t0 = time.perf_counter()
@@ -495,7 +478,7 @@ def run(target_spec: str = "smollm2", out: str | Path = "out/draft", data: str |
     out = Path(out)
     meta = {"name": out.name, "draft_kind": cfg.kind, "target": target.name,
             "vocab_fingerprint": vocab_fingerprint(target), "head_vocab": len(vmap),
-            "config": asdict(cfg), "trained_on": str(data or DEFAULT_CORPUS), "domain": domain}
+            "config": asdict(cfg), "trained_on": str(data), "domain": domain}
     student.save(out, meta)
     drafter = make_drafter(str(out), target, 1, 512)
     times = step_times(target, drafter)

@@ -61,11 +61,38 @@ class PassCost:
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for _ in range(reps):
             for n in sizes:
-                cache.lengths[0] = context
+                cache.truncate(0, context)
                 t0 = time.perf_counter()
                 runner.logits(runner.forward(cache, [0], feeds[n]))
                 times[n].append(time.perf_counter() - t0)
         return cls([(n, sorted(v)[len(v) // 2]) for n, v in times.items()])
+
+
+def draft_step_seconds(drafter, context: list[int], hidden: torch.Tensor | None = None, reps: int = 15,
+                       seq_id: int = -1) -> float:
+    """Median seconds of one draft step, measured through `Drafter.propose` alone: each call
+    rolls the view back by one token and re-feeds it (the same catch-up every time), so
+    (propose γ=3 − propose γ=1) / 2 is the marginal cost of one drafted token.
+    hidden [len(context) - 1, E]: the target's hidden states, for feature drafters."""
+    from .drafters.base import DraftSeq
+
+    def call(keep: int, new: list[int], gamma: int, h=None) -> float:
+        t0 = time.perf_counter()
+        drafter.propose([DraftSeq(seq_id=seq_id, keep=keep, new_tokens=new, gamma=gamma, hidden=h,
+                                  hidden_start=0)])
+        return time.perf_counter() - t0
+
+    call(0, list(context), 1, hidden if drafter.wants_hidden else None)
+    n = len(context)
+    t1, t3 = [], []
+    try:
+        for _ in range(reps):
+            t1.append(call(n - 1, [context[-1]], 1))
+            t3.append(call(n - 1, [context[-1]], 3))
+    finally:
+        drafter.release(seq_id)
+    med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
+    return max(med(t3) - med(t1), 0.0) / 2
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Build the Serve application from a ClusterConfig.
 
-    Router (gRPC ingress) -> VerifierServer (large pool) -> DraftServer per model draft (small pool)
+    Router (gRPC ingress) -> VerifierServer (large pool) -> DraftDeployment per remote draft (small pool)
 
 `app_builder` is the import path `serve run` / `serve deploy` accept:
     serve run cluster.app:app_builder config=cluster/configs/local.yaml
@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import asyncio
+
+import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from actors.serving import DraftServer, VerifierServer
+from actors.drafters.base import DraftSeq
 
 from .config import ClusterConfig, DeploymentSpec
+from .draft_server import DraftServer
 from .router import Router
+from .serve import node_id, replica_id
+from .verifier import VerifierServer
+
+DRAFT_BATCH = 16  # concurrent propose calls one draft replica answers in one batch
 
 SERVICER_FUNCTIONS = [
     "protos.specd_pb2_grpc.add_SpecDecodeServicer_to_server",
@@ -30,18 +38,44 @@ def _options(spec: DeploymentSpec, name: str, **extra) -> dict:
             "graceful_shutdown_wait_loop_s": 0.5, **extra}
 
 
+class DraftDeployment:
+    """A draft replica (small-accelerator pool): `serve.batch` gathers concurrent propose calls
+    (several verifiers, or a pipelining one) into one drafter batch, run off the event loop."""
+
+    def __init__(self, model: str, dtype: str, spec: str, max_batch: int, max_len: int, torch_threads: int = 1,
+                 lease_s: float = 600.0):
+        from actors.build import make_drafter
+        from actors.models import load_model
+
+        torch.set_num_threads(torch_threads)
+        target = load_model(model, dtype)
+        self.core = DraftServer(make_drafter(spec, target, max_batch, max_len), replica_id(), lease_s)
+        self.node = node_id()
+
+    @serve.batch(max_batch_size=DRAFT_BATCH, batch_wait_timeout_s=0.0)
+    async def propose(self, calls: list[list[DraftSeq]]) -> list[dict]:
+        return await asyncio.to_thread(self.core.propose_batch, calls)
+
+    async def release(self, seq_ids: list[int]) -> int:
+        return await asyncio.to_thread(self.core.release, seq_ids)
+
+    async def stats(self) -> dict:
+        return {**self.core.stats(), "node_id": self.node}
+
+
 def build_app(cfg: ClusterConfig):
     raw = cfg.model_dump(mode="json")
     drafts = {}
     for d in cfg.drafts:
         if not d.remote:
             continue
-        dep = serve.deployment(DraftServer).options(
+        dep = serve.deployment(DraftDeployment).options(
             **_options(d, f"Draft-{d.name.replace(':', '-').replace('/', '_')}",
-                       max_ongoing_requests=max(8, d.max_batch),
+                       max_ongoing_requests=max(DRAFT_BATCH, d.max_batch),
                        request_router_config=RequestRouterConfig(
                            request_router_class="cluster.routing.PinnedRouter")))
-        drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads)
+        drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads,
+                                  d.lease_s)
     verifier = serve.deployment(VerifierServer).options(
         **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch)
     ).bind(raw, drafts)

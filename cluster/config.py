@@ -18,7 +18,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.drafters.base import MAX_GAMMA
+from actors.schema import MAX_GAMMA, NO_DRAFT, Limits
+
+LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: `specd serve`, `make demo`
 
 
 class _Strict(BaseModel):
@@ -85,6 +87,8 @@ class DraftConfig(DeploymentSpec):
     spec: str
     default_gamma: int = Field(4, ge=0, le=MAX_GAMMA)
     max_batch: int = Field(16, ge=1, description="sequences with draft KV per replica")
+    lease_s: float = Field(600, gt=0, description="draft state nobody asked about for this long expires "
+                           "(its verifier died); a live sequence that returns is re-synced")
 
     @property
     def remote(self) -> bool:
@@ -97,6 +101,8 @@ class VerifierConfig(DeploymentSpec):
                            "verify one while the draft replicas propose for the other (greedy output unchanged; "
                            "VerifierServer.set_pipeline toggles it at run time)")
     adaptive_gamma: bool = Field(False, description="treat request γ as a maximum, choose per step")
+    prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "
+                               "prefill: running streams keep decoding while a long prompt is admitted)")
 
 
 class RouterConfig(DeploymentSpec):
@@ -125,15 +131,22 @@ class ClusterConfig(_Strict):
         names = [d.name for d in self.drafts]
         if len(set(names)) != len(names):
             raise ValueError(f"draft names must be unique, got {names}")
-        if "none" in names:
-            raise ValueError("'none' is reserved (speculation off)")
-        if self.router.default_draft not in ("none", *names):
-            raise ValueError(f"router.default_draft {self.router.default_draft!r} is not one of {['none', *names]}")
+        if NO_DRAFT in names:
+            raise ValueError(f"{NO_DRAFT!r} is reserved (speculation off)")
+        if self.router.default_draft not in (NO_DRAFT, *names):
+            raise ValueError(f"router.default_draft {self.router.default_draft!r} is not one of "
+                             f"{[NO_DRAFT, *names]}")
         if self.router.default_max_tokens > self.router.max_tokens:
             raise ValueError("router.default_max_tokens exceeds router.max_tokens")
         if self.router.max_tokens >= self.max_len:
             raise ValueError(f"router.max_tokens ({self.router.max_tokens}) must be below max_len ({self.max_len})")
         return self
+
+    def limits(self) -> Limits:
+        """What the router admits (the request schema's limits)."""
+        return Limits(context=self.max_len, max_tokens=self.router.max_tokens,
+                      drafts={d.name: d.default_gamma for d in self.drafts},
+                      default_draft=self.router.default_draft, default_max_tokens=self.router.default_max_tokens)
 
     def draft(self, name: str) -> DraftConfig:
         for d in self.drafts:

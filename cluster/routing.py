@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import random
 
+import ray
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+
+# `_fulfill_next_pending_request` below overrides a private method of Serve's RequestRouter,
+# written against Ray 2.60 (pyproject pins it; tests/cluster/test_routing.py exercises it).
+_PRIVATE = ("_fulfill_next_pending_request", "_pending_requests_to_fulfill", "_record_queue_wait_time",
+            "_remove_pending_request_from_indices")
+if not ray.__version__.startswith("2.60.") or not hasattr(RequestRouter, _PRIVATE[0]):
+    raise ImportError(f"cluster.routing.PinnedRouter overrides Ray Serve internals of Ray 2.60; "
+                      f"Ray {ray.__version__} is installed (pyproject.toml pins ray[serve]>=2.60,<2.61)")
 
 
 class PinnedRouter(LocalityMixin, MultiplexMixin, RequestRouter):

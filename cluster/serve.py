@@ -35,8 +35,9 @@ def start(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None =
             ray.init(address=address)
         else:
             # Logical CPUs: replicas ask for num_cpus=0 by default, so a 2-core machine fits them all.
-            ray.init(num_cpus=num_cpus or 8, resources=resources or dict(POOLS), include_dashboard=False,
-                     log_to_driver=False)
+            # address="local": always a new local cluster, never one a stale session file points at.
+            ray.init(address="local", num_cpus=num_cpus or 8, resources=resources or dict(POOLS),
+                     include_dashboard=False, log_to_driver=False)
     grpc_port = cfg.grpc_port or free_port()
     http_port = cfg.http_port or free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port},
@@ -46,12 +47,31 @@ def start(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None =
     return f"127.0.0.1:{grpc_port}"
 
 
+def node_id() -> str:
+    """The Ray node this process runs on ("local" outside Ray)."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return "local"
+
+
+def replica_id() -> str:
+    """This Serve replica's id ("local" outside Serve, e.g. in unit tests)."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_tag
+    except Exception:
+        return "local"
+
+
 def stop() -> None:
     import ray
     from ray import serve
 
-    serve.shutdown()
-    ray.shutdown()
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
 
 
 def wait_serving(client, timeout: float = 120.0, poll: float = 0.3) -> None:

@@ -13,11 +13,13 @@ Does not know: the target model, acceptance, or which tokens are final.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
+from ..schema import MAX_GAMMA
+
 # Positions every KV cache keeps beyond its context limit: a batched pass pads each row to
 # the batch's widest row (at most MAX_GAMMA + 1 tokens), and padding must never overflow.
 KV_HEADROOM = MAX_GAMMA + 1
@@ -52,18 +54,30 @@ class Proposal:
     # temperature/top-k/top-p exactly as the target's will be; None for
     # deterministic drafters (q is one-hot at the drafted token).
     probs: torch.Tensor | None = None  # float32 [B, G, V]
-    timings: dict = field(default_factory=dict)
 
 
 class Drafter(ABC):
-    """Proposes draft tokens for a batch of sequences."""
+    """Proposes draft tokens for a batch of sequences.
+
+    Optional capabilities, declared as class attributes:
+      wants_hidden  it reads the target's hidden states of committed tokens (DraftSeq.hidden)
+      asynchronous  `propose_async` returns before the drafts exist (they are computed
+                    elsewhere, e.g. on a draft replica), so the engine can overlap them with
+                    a target pass; otherwise it proposes in the calling thread.
+    """
 
     name: str = "drafter"
-    wants_hidden: bool = False  # set by drafters that read target hidden states
+    wants_hidden: bool = False
+    asynchronous: bool = False
 
     @abstractmethod
     def propose(self, seqs: list[DraftSeq]) -> Proposal:
         """Roll each sequence back to `keep`, append `new_tokens`, propose up to `gamma` tokens."""
+
+    def propose_async(self, seqs: list[DraftSeq]) -> Callable[[], Proposal]:
+        """Start proposing; the returned function waits for and returns the proposal."""
+        prop = self.propose(seqs)
+        return lambda: prop
 
     @abstractmethod
     def release(self, seq_id: int) -> None:
@@ -72,6 +86,10 @@ class Drafter(ABC):
     def num_active(self) -> int:
         """Sequences currently holding state here (for tests and stats)."""
         return 0
+
+    def free_capacity(self) -> int | None:
+        """How many more sequences it can take state for; None = no limit."""
+        return None
 
     def view_length(self, seq_id: int) -> int | None:
         """Tokens in this drafter's view of a sequence, or None if it holds no state for it

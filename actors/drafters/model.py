@@ -11,8 +11,6 @@ costs no memory beyond its KV cache and needs no training to be usable.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..llama import LlamaRunner
@@ -56,7 +54,6 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seqs: list[DraftSeq]) -> Proposal:
-        t0 = time.perf_counter()
         B = len(seqs)
         G = max(s.gamma for s in seqs)
         slots = [self._slot(s) for s in seqs]
@@ -97,8 +94,7 @@ class ModelDrafter(Drafter):
         num_draft = [s.gamma for s in seqs]
         for b, s in enumerate(seqs):
             self.views[s.seq_id].extend(tokens[b, :num_draft[b]].tolist())
-        return Proposal(tokens=tokens, num_draft=num_draft, probs=probs,
-                        timings={"draft_s": time.perf_counter() - t0})
+        return Proposal(tokens=tokens, num_draft=num_draft, probs=probs)
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
         """Roll each row back to `keep`, feed the committed tokens it has not seen, and return
@@ -147,3 +143,6 @@ class ModelDrafter(Drafter):
 
     def num_active(self) -> int:
         return len(self.slots)
+
+    def free_capacity(self) -> int:
+        return len(self.free)

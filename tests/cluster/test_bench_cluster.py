@@ -12,16 +12,14 @@ import os
 
 import pytest
 
-from cluster import serve as S
-from cluster.cli import main
 from cluster.config import ClusterConfig
-from specd_client import SpecdClient
+from specd.cli import main
 
 PROMPTS = ["5 6 7 8 9 5 6 7 8 9 5 6 7", "11 12 13 11 12 13 11 12"]  # tiny model: prompts are token ids
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, start_cluster):
     cfg = ClusterConfig.model_validate({
         "model": "tiny", "dtype": "fp32", "max_len": 128, "grpc_port": 0, "http_port": 0,
         "router": {"max_tokens": 32, "default_max_tokens": 8, "default_draft": "ngram"},
@@ -29,11 +27,8 @@ def cluster(tmp_path_factory):
         "drafts": [{"name": "ngram", "spec": "ngram", "default_gamma": 3}]})
     path = tmp_path_factory.mktemp("bench") / "cluster.yaml"
     path.write_text(cfg.dump())
-    addr = S.start(cfg)
-    with SpecdClient(addr, timeout=60) as c:
-        S.wait_serving(c, timeout=60)
-    yield addr, path
-    S.stop()
+    addr, _ = start_cluster(cfg, timeout=60)
+    return addr, path
 
 
 def test_bench_address_report(cluster, tmp_path):
@@ -78,20 +73,3 @@ def test_bench_address_report(cluster, tmp_path):
     assert "c2_ge_5x_serial_hf" in rep["goals"] and "c1_cluster_loses_le_10pct" in rep["goals"]
     # the same engine code on both sides, fp32, batch 1: identical greedy tokens
     assert rep["greedy_agreement_cluster_vs_inprocess_c1"] == {"spec": 1.0, "off": 1.0}
-
-
-def test_summary_statistics_on_known_records():
-    from cluster.bench_cluster import _match_ray_niceness, _record, summarize
-
-    # a request sent at t=0: first chunk (1 token) at 0.1 s, then 3 tokens at 0.4 s, 1 at 0.5 s
-    a = _record(0.0, [(0.1, 1), (0.4, 3), (0.5, 1)], [1, 2, 3, 4, 5],
-                {"drafts": 2, "draft_tokens": 8, "accepted_tokens": 2, "acceptance_per_position": [0.5, 0.5]}, False)
-    b = _record(1.0, [(1.3, 2)], [6, 7], {}, True)
-    s = summarize([a, b], wall=2.0)
-    assert s["tokens"] == 7 and s["tokens_per_s"] == 3.5 and s["coalesced"] == 1
-    assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["mean"] == pytest.approx(200)
-    assert a["itl"] == pytest.approx([0.1, 0.1, 0.1, 0.1])  # 0.3 s over 3 tokens, then 0.1 s for 1
-    assert s["itl_ms"]["p50"] == pytest.approx(100) and s["chunk_gap_ms"]["p99"] == pytest.approx(299, abs=1)
-    assert s["acceptance_rate"] == 0.25 and s["mean_accepted_length"] == 2.0
-    assert s["acceptance_per_position"] == [0.5, 0.5]
-    assert _match_ray_niceness("10.1.2.3:9000") == os.nice(0)  # a remote cluster: nothing to match

@@ -13,11 +13,7 @@ from actors.drafters import DraftSeq, ModelDrafter, NgramDrafter
 from actors.drafters.base import apply_view
 from actors.llama import LlamaRunner
 from actors.sampling import process_logits
-
-
-def rand_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
+from helpers import rand_tokens
 
 
 def proposed(prop, b: int = 0) -> list[int]:

@@ -1,6 +1,6 @@
 #!/bin/sh
 # The distillation claims of issue 3, on one data set and one step budget (cached teacher data).
-# Usage: sh cluster/claims.sh [STEPS]   -> out/claims/*/report.json and out/claims/table.txt
+# Usage: sh specd/claims.sh [STEPS]   -> out/claims/*/report.json and out/claims/table.txt
 set -e
 S=${1:-100}
 B=.venv/bin/specd
@@ -11,4 +11,4 @@ $B distill --kind eagle --objective fkl --steps $S --domain code --out $O/eagle-
 $B distill --kind truncated:4 --objective fkl --steps $S --out $O/truncated4-fkl
 $B distill --kind truncated:4 --objective ntp --steps $S --out $O/truncated4-ntp
 $B distill --kind small --objective fkl --steps $S --out $O/small-fkl
-.venv/bin/python -c "from cluster.distill_cli import compare; import glob; print(compare(sorted(glob.glob('$O/*/'))))" | tee $O/table.txt
+.venv/bin/python -c "from specd.distill import compare; import glob; print(compare(sorted(glob.glob('$O/*/'))))" | tee $O/table.txt

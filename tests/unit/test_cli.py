@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from cluster.cli import main
+from helpers import chat_ids
+from specd.cli import main
 
 PROMPT = "Name three rivers in Europe and one fact about each."
 
 
 @pytest.fixture(scope="module")
 def hf_reference(smollm2):
-    msgs = [{"role": "user", "content": PROMPT}]
-    ids = smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = chat_ids(smollm2.tokenizer, PROMPT)
     out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                  eos_token_id=sorted(smollm2.eos_token_ids), pad_token_id=0)
     return out[0, len(ids):].tolist()

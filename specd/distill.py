@@ -1,4 +1,5 @@
-"""`specd distill`: train a draft for a target and report what it buys (see actors/distill.py).
+"""`specd distill`: train a draft for a target and report what it buys (the training library is
+actors/distill.py; this is the command around it).
 
   specd distill --kind eagle --objective fkl --steps 300 --out out/drafts/eagle
   specd distill --kind truncated:4 --head-vocab 8192 --objective ntp ...
@@ -40,8 +41,8 @@ def add_parser(sub) -> None:
                    help="eagle: start the head's layer from the target's last layer, or at random")
     p.add_argument("--small-layers", type=int, default=2, help="small: decoder layers")
     p.add_argument("--small-hidden", type=int, default=192, help="small: hidden size")
-    p.add_argument("--data", default=None, help="JSONL of prompts/texts (default: the committed corpus)")
-    p.add_argument("--heldout", default=None, help="JSONL of held-out prompts (default: the bench prompts)")
+    p.add_argument("--data", default=None, help="JSONL of prompts/texts (default: specd/data/distill_prompts.jsonl)")
+    p.add_argument("--heldout", default=None, help="JSONL of held-out prompts (default: specd/data/prompts.jsonl)")
     p.add_argument("--domain", default=None, help="train only on corpus rows of this domain (e.g. code)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N corpus rows")
     p.add_argument("--max-new", type=int, default=128, help="tokens the target generates per prompt")
@@ -53,6 +54,8 @@ def run(args) -> int:
     from actors.distill import DistillConfig, render
     from actors.distill import run as distill
 
+    from .data import DISTILL_CORPUS, PROMPTS
+
     heads = 3 if args.small_hidden % 3 == 0 else 4
     cfg = DistillConfig(kind=args.kind, objective=args.objective, temperature=args.temperature,
                         head_vocab=args.head_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
@@ -61,8 +64,8 @@ def run(args) -> int:
                         small={"num_hidden_layers": args.small_layers, "hidden_size": args.small_hidden,
                                "intermediate_size": args.small_hidden * 8 // 3, "num_attention_heads": heads,
                                "num_key_value_heads": 1, "eagle_init": args.eagle_init})
-    report = distill(args.model, args.out, data=args.data, heldout=args.heldout, domain=args.domain, cfg=cfg,
-                     max_new=args.max_new, dtype=args.dtype, limit=args.limit)
+    report = distill(args.data or DISTILL_CORPUS, args.heldout or PROMPTS, args.model, args.out,
+                     domain=args.domain, cfg=cfg, max_new=args.max_new, dtype=args.dtype, limit=args.limit)
     text = render(report)
     out = Path(args.out)
     (out / "report.txt").write_text(text + "\n")

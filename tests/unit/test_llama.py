@@ -19,15 +19,11 @@ import torch
 
 from actors.llama import LlamaRunner
 from actors.models import build_tiny
+from helpers import rand_tokens
 
 TINY_ATOL = 1e-4
 SMOL_ATOL = 1e-3  # |logits| up to ~40: a relative error of ~2e-5
 SAME_KERNELS_ATOL = 2e-5
-
-
-def rand_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ import pytest
 
 from protos import specd_pb2, specd_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REGEN = ROOT / "protos" / "regen.py"
 FILES = ["specd.proto", "specd_pb2.py", "specd_pb2.pyi", "specd_pb2_grpc.py"]
 

@@ -5,7 +5,7 @@ Measured, greedy, on the committed prompt set (or --prompts):
   cluster      at each concurrency (default 1, 4, 16), speculation on (a draft the cluster
                serves; default: its default draft) and off (draft "none")
   in-process   this engine (actors.build.build_engine) at concurrency 1, both modes
-  hf           serial Hugging Face `generate` of the target (cluster.bench._hf_generate)
+  hf           serial Hugging Face `generate` of the target (specd.bench.local._hf_generate)
 Per point: tokens/s (all tokens / wall time of the point), TTFT, inter-token latency
 (p50/p99; a chunk of k tokens that arrived dt after the previous one counts as k gaps of dt/k),
 the gap between stream chunks, α and mean accepted length (from each response's speculation
@@ -35,10 +35,12 @@ import time
 import uuid
 from pathlib import Path
 
-from .bench import DEFAULT_PROMPTS, load_prompts
-from .serve import wait_serving
+from cluster import serve as S
+from cluster.config import LOCAL_CONFIG, ClusterConfig
+from cluster.serve import wait_serving
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
+from ..data import PROMPTS, load_prompts
+from .local import _hf_generate
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -141,30 +143,31 @@ class InProcess:
         self.eos = sorted(self.built.target.eos_token_ids)
 
     def encode(self, p: dict) -> list[int]:
-        from actors.build import encode_prompt
+        from actors.text import encode_prompt
 
         if self.tok is None:  # tiny test models: prompts are space-separated token ids (as the router reads them)
             return [int(t) for t in p["prompt"].split()]
         return encode_prompt(self.tok, prompt=p.get("prompt"), messages=p.get("messages"))
 
     def request(self, ids: list[int], max_tokens: int, draft: str | None, gamma: int) -> dict:
-        from actors.engine import Request, SamplingParams
+        from actors.schema import Completion, Request, SamplingParams, SpeculationParams
 
         eng = self.built.engine
-        req = Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=max_tokens), draft, gamma if draft else 0)
-        arrivals = []
+        req = Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=max_tokens),
+                      SpeculationParams(draft=draft or "none", gamma=gamma if draft else 0))
+        arrivals, deltas = [], []
         t0 = time.perf_counter()
-        eng.add_request(req)
+        key = eng.add_request(req)
         while eng.has_work():
-            for out in eng.step():
-                arrivals.append((time.perf_counter(), len(out.token_ids)))
-        seq = eng.finished.pop(req.request_id)
-        return _record(t0, arrivals, seq.output, seq.stats.to_dict(), False)
+            d = eng.step().get(key)
+            if d is not None:
+                arrivals.append((time.perf_counter(), len(d.token_ids)))
+                deltas.append(d)
+        done = Completion.join(deltas)
+        return _record(t0, arrivals, done.token_ids, done.stats.to_dict(), False)
 
     def hf(self, ids: list[int], max_tokens: int, threads: int | None) -> dict:
         import torch
-
-        from .bench import _hf_generate
 
         before = torch.get_num_threads()
         if threads:
@@ -202,9 +205,8 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
 
     from specd_client import SpecdClient
 
-    from .config import ClusterConfig
 
-    cfg = ClusterConfig.load(config_path or DEFAULT_CONFIG)  # dtype, threads, draft specs of the cluster
+    cfg = ClusterConfig.load(config_path or LOCAL_CONFIG)  # dtype, threads, draft specs of the cluster
     niceness = _match_ray_niceness(address) if match_niceness else os.nice(0)
     load_before = os.getloadavg()
     prompts = load_prompts(prompts_path)[:limit]
@@ -319,7 +321,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
         r.pop("token_ids", None)
     return {"address": address, "target": info.target, "dtype": cfg.dtype, "draft": draft, "draft_spec": spec,
             "gamma": gamma, "max_tokens": max_tokens, "prompts": len(prompts),
-            "prompt_file": str(prompts_path or DEFAULT_PROMPTS), "concurrency": conc, "rounds": rounds,
+            "prompt_file": str(prompts_path or PROMPTS), "concurrency": conc, "rounds": rounds,
             "threads": {"in_process": threads_engine, "hf": threads_hf}, "niceness": niceness,
             "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
             "results": sorted(results, key=lambda r: (r["side"] != "cluster", r["concurrency"], r["side"],
@@ -336,7 +338,6 @@ BATCHER_KEYS = ("target_passes", "rows_verified", "pipelined_steps", "verify_s",
 def pipeline_config(cfg, draft: str):
     """The cluster `pipeline_compare` starts: `cfg` with one Verifier replica (so a Serve-handle
     toggle reaches the only one), pipelining off to start, and only `draft`, on one replica."""
-    from .config import ClusterConfig
 
     d = cfg.draft(draft)
     if not d.remote:
@@ -475,7 +476,7 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
     for r in results:
         r.pop("token_ids", None)
     return {"mode": "pipeline-compare", "address": address, "target": info.target, "draft": draft, "gamma": gamma,
-            "max_tokens": max_tokens, "prompts": len(prompts), "prompt_file": str(prompts_path or DEFAULT_PROMPTS),
+            "max_tokens": max_tokens, "prompts": len(prompts), "prompt_file": str(prompts_path or PROMPTS),
             "concurrency": conc, "rounds": rounds, "niceness": niceness, "cpu_count": os.cpu_count(),
             "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
             "results": results, "ratios": ratios, "greedy_agreement_on_vs_off": agree,
@@ -613,15 +614,12 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    """`specd bench --address HOST:PORT` or `specd bench --serve [--config FILE]` (cluster/cli.py)."""
-    from . import serve as S
-    from .config import ClusterConfig
-
+    """`specd bench --address HOST:PORT` or `specd bench --serve [--config FILE]` (specd/cli.py)."""
     if getattr(args, "pipeline_compare", False):
         return main_pipeline(args)
     started = False
     address = args.address
-    config_path = args.config or DEFAULT_CONFIG
+    config_path = args.config or LOCAL_CONFIG
     args.concurrency = args.concurrency or "1,4,16"
     args.rounds = args.rounds or 1
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
@@ -654,10 +652,7 @@ def main(args) -> int:
 def main_pipeline(args) -> int:
     """`specd bench --serve --pipeline-compare`: start a local cluster from --config (one Verifier
     replica, the remote draft on one replica), pipelining on against off, write JSON + table."""
-    from . import serve as S
-    from .config import ClusterConfig
-
-    config_path = args.config or DEFAULT_CONFIG
+    config_path = args.config or LOCAL_CONFIG
     draft = args.draft[0] if args.draft else PIPELINE_DRAFT
     started = False
     address = args.address

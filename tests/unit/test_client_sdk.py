@@ -37,7 +37,7 @@ from protos import specd_pb2, specd_pb2_grpc
 from specd_client import (AsyncSpecdClient, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted,
                           SpecdClient, SpecdError, Unavailable)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_TOKENS = 16  # the double's "server default" for max_tokens = 0
 CHUNK = 3  # tokens per streamed message
 

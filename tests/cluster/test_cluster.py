@@ -13,9 +13,9 @@ import pytest
 import ray
 import torch
 
-from cluster import serve as S
 from cluster.config import ClusterConfig
-from specd_client import SpecdClient
+from actors.text import encode_prompt
+from helpers import chat_ids
 from specd_client.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 
 MAX_LEN = 256
@@ -23,7 +23,7 @@ QUESTION = [{"role": "user", "content": "Name two planets and one fact about eac
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(start_cluster):
     cfg = ClusterConfig.model_validate({
         "model": "smollm2", "dtype": "fp32", "max_len": MAX_LEN, "grpc_port": 0, "http_port": 0,
         "router": {"max_queue": 3, "max_tokens": 128, "default_max_tokens": 16, "default_draft": "ngram"},
@@ -34,18 +34,12 @@ def cluster():
                    # the shipped EAGLE head on its own replica: target hidden states cross over
                    {"name": "eagle", "spec": "default", "max_batch": 4,
                     "resources": {"custom": {"small_accel": 1}}}]})
-    addr = S.start(cfg)
-    client = SpecdClient(addr, timeout=120)
-    S.wait_serving(client, timeout=60)
-    yield client
-    client.close()
-    S.stop()
+    return start_cluster(cfg, timeout=60)[1]
 
 
 @pytest.fixture(scope="module")
 def hf_ref(smollm2):
-    ids = smollm2.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
+    ids = chat_ids(smollm2.tokenizer, QUESTION[0]["content"])
     out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                  eos_token_id=sorted(smollm2.eos_token_ids), pad_token_id=0)
     return out[0, len(ids):].tolist()
@@ -117,6 +111,21 @@ def test_coalescing_identical_requests_share_one_generation(cluster, hf_ref):
     assert after.coalesced_total - before.coalesced_total >= 1  # at least one caller joined another's run
     # one generation's worth of tokens per coalesced group, not n
     assert after.tokens_total - before.tokens_total == (n - sum(r.coalesced for r in results)) * len(hf_ref)
+
+
+def test_same_request_id_twice_in_flight_both_complete(cluster, smollm2, hf_greedy):
+    """Regression (defect: the verifier keyed streams by the client's request id; the second
+    request overwrote the first's subscriber and aborted it, the first hung to its deadline and
+    the second got INTERNAL). Two concurrent requests with one id and different prompts, through
+    the SDK: both complete with their own greedy output, each echoing the id."""
+    prompts = ["The capital of France is", "Water boils at"]
+    refs = [hf_greedy(smollm2.model, encode_prompt(smollm2.tokenizer, prompt=p), 16) for p in prompts]
+    with cf.ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda p: cluster.generate(prompt=p, max_tokens=16, request_id="same-id", draft="ngram",
+                                                     timeout=60), prompts))
+    assert [r.token_ids for r in got] == refs
+    assert all(r.request_id == "same-id" and r.finish_reason in ("length", "stop") for r in got)
+    wait_kv_free(cluster)
 
 
 def test_cancelled_stream_frees_kv_on_verifier_and_draft(cluster):

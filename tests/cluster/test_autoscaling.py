@@ -18,9 +18,7 @@ import time
 import pytest
 from ray import serve
 
-from cluster import serve as S
 from cluster.config import ClusterConfig
-from specd_client import SpecdClient
 
 DRAFT = "truncated:2"
 DRAFT_DEPLOYMENT = "Draft-truncated-2"
@@ -46,13 +44,8 @@ def config() -> ClusterConfig:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    addr = S.start(config())
-    client = SpecdClient(addr, timeout=180)
-    S.wait_serving(client, timeout=90)
-    yield client
-    client.close()
-    S.stop()
+def cluster(start_cluster):
+    return start_cluster(config(), timeout=90, client_timeout=180)[1]
 
 
 def replicas(name: str) -> dict[str, int]:

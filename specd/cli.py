@@ -2,14 +2,14 @@
 
   specd setup                       dequantise and cache the embedded model (once)
   specd generate --local ...        decode in-process (no Ray), streaming text or --json
-  specd bench --local ...           side-by-side benchmark (see cluster/bench.py)
+  specd bench --local ...           side-by-side benchmark (see specd/bench/local.py)
   specd bench --address H:P ...     benchmark a running cluster vs the in-process engine and HF
-                                    (see cluster/bench_cluster.py; --serve starts one first)
+                                    (see specd/bench/cluster.py; --serve starts one first)
   specd demo                        start the cluster (local.yaml), stream a few answers through the SDK,
                                     tokens/s and α per draft, shut down (--local: in-process, no Ray)
   specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
   specd generate --address H:P ...  generate through a running cluster with the client SDK
-  specd distill ...                 train a draft from the target (see cluster/distill_cli.py)
+  specd distill ...                 train a draft from the target (see specd/distill.py)
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark speculative vs plain decoding and Hugging Face")
     b.add_argument("--local", action="store_true", help="benchmark the in-process engine")
     b.add_argument("--address", default=None,
-                   help="HOST:PORT of a running cluster: benchmark it through the SDK (cluster/bench_cluster.py)")
+                   help="HOST:PORT of a running cluster: benchmark it through the SDK (specd/bench/cluster.py)")
     b.add_argument("--serve", action="store_true",
                    help="start a local cluster from --config, benchmark it as with --address, shut it down")
     b.add_argument("--config", default=None,
@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-γ configurations")
+    b.add_argument("--head-of-line", action="store_true",
+                   help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
+                        "prompt is admitted, unchunked against chunked prefill")
     _add_model_args(b)
 
     sv = sub.add_parser("serve", help="start the cluster (Ray Serve + gRPC) from a config")
@@ -99,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="draft tokens per step (default: each draft's default_gamma from the config; 4 locally)")
     d.add_argument("--max-tokens", type=int, default=80)
     _add_model_args(d)
-    from .distill_cli import add_parser as add_distill
+    from .distill import add_parser as add_distill
     add_distill(sub)
     return ap
 
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _distill(args) -> int:
-    from .distill_cli import run
+    from .distill import run
     return run(args)
 
 
@@ -127,13 +130,10 @@ def _setup(args) -> int:
 
 
 def _serve(args) -> int:
-    from pathlib import Path
-
     from cluster import serve as S
-    from cluster.config import ClusterConfig
+    from cluster.config import LOCAL_CONFIG, ClusterConfig
 
-    path = args.config or Path(__file__).parent / "configs" / "local.yaml"
-    cfg = ClusterConfig.load(path)
+    cfg = ClusterConfig.load(args.config or LOCAL_CONFIG)
     import signal
 
     def _stop(*_):
@@ -180,31 +180,34 @@ def _generate(args) -> int:
         return _generate_remote(args)
     if not args.local:
         raise ValueError("give --local (in-process engine) or --address HOST:PORT (a running `specd serve`)")
-    from actors.build import build_engine, encode_prompt
-    from actors.engine import Request, SamplingParams
+    from actors.build import build_engine
+    from actors.schema import Completion, Request, SamplingParams, SpeculationParams
+    from actors.text import encode_prompt
 
     messages = json.loads(args.messages_json) if args.messages_json else None
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len,
                          adaptive_gamma=args.adaptive_gamma)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
-    spec = None if args.draft == "none" else args.draft
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k, seed=args.seed, stop=tuple(args.stop)),
-                  draft=spec, gamma=args.gamma if spec else 0)
+                  SpeculationParams(draft=args.draft, gamma=args.gamma if args.draft != "none" else 0))
     eng = built.engine
-    eng.add_request(req)
+    key = eng.add_request(req)
     t0 = time.perf_counter()
+    deltas = []
     while eng.has_work():
-        for out in eng.step():
+        d = eng.step().get(key)
+        if d is not None:
+            deltas.append(d)
             if not args.json:
-                print(out.text, end="", flush=True)
+                print(d.text, end="", flush=True)
     dt = time.perf_counter() - t0
-    seq = eng.finished.pop(req.request_id)
-    stats = seq.stats.to_dict() | {"tokens": len(seq.output), "seconds": dt,
-                                   "tokens_per_s": len(seq.output) / dt, "finish_reason": seq.finish_reason}
+    done = Completion.join(deltas)
+    stats = done.stats.to_dict() | {"tokens": len(done.token_ids), "seconds": dt,
+                                    "tokens_per_s": len(done.token_ids) / dt, "finish_reason": done.finish_reason}
     if args.json:
-        print(json.dumps({"token_ids": seq.output, "text": seq.text, "stats": stats}))
+        print(json.dumps({"token_ids": done.token_ids, "text": done.text, "stats": stats}))
     else:
         print(f"\n[{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, "
               f"α={stats['acceptance_rate']:.2f}, mean accepted length {stats['mean_accepted_length']:.2f}]",
@@ -214,7 +217,7 @@ def _generate(args) -> int:
 
 def _bench(args) -> int:
     if args.address or args.serve:
-        from cluster import bench_cluster
+        from .bench import cluster as bench_cluster
 
         args.json_path = args.json_path or ("out/bench_pipeline.json" if args.pipeline_compare
                                             else "out/bench_cluster.json")
@@ -228,10 +231,16 @@ def _bench(args) -> int:
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
 
-    from cluster import bench
-
     from actors.build import draft_meta
 
+    from .bench import local as bench
+
+    if args.head_of_line:
+        rep = bench.head_of_line(args.model, args.dtype)
+        print(json.dumps(rep, indent=2))
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).with_name("bench_hol.json").write_text(json.dumps(rep, indent=2))
+        return 0
     # Defaults: n-gram, the untrained self-draft, and the shipped distilled draft side by side.
     drafts = args.draft or ["ngram", "truncated:4"] + (["default"] if draft_meta("default") else [])
     report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
@@ -263,13 +272,12 @@ def _demo_cluster(args) -> int:
     none (interleaved), one concurrent burst, then shut the cluster down."""
     import concurrent.futures as cf
     import signal
-    from pathlib import Path
 
     from cluster import serve as S
-    from cluster.config import ClusterConfig
+    from cluster.config import LOCAL_CONFIG, ClusterConfig
     from specd_client import SpecdClient
 
-    path = args.config or Path(__file__).parent / "configs" / "local.yaml"
+    path = args.config or LOCAL_CONFIG
     cfg = ClusterConfig.load(path).model_copy(update={"grpc_port": 0, "http_port": 0})  # free ports: self-contained
     if args.draft != "none" and args.draft not in [d.name for d in cfg.drafts]:
         raise ValueError(f"--draft {args.draft!r}: {path} serves {['none', *[d.name for d in cfg.drafts]]}")
@@ -346,26 +354,29 @@ def _demo_cluster(args) -> int:
 
 
 def _demo_local(args) -> int:
-    from actors.build import build_engine, encode_prompt
-    from actors.engine import Request, SamplingParams, SpecStats
+    from actors.build import build_engine
+    from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
+    from actors.text import encode_prompt
 
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len)
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft
-
     gamma = (4 if args.gamma is None else args.gamma) if spec else 0
 
     def one(i: int, draft, g: int, show: bool):
-        req = Request(f"demo-{i}-{g}", ids[i], SamplingParams(max_tokens=args.max_tokens), draft, g)
-        eng.add_request(req)
+        key = eng.add_request(Request(f"demo-{i}-{g}", ids[i], SamplingParams(max_tokens=args.max_tokens),
+                                      SpeculationParams(draft=draft or "none", gamma=g)))
         t0 = time.perf_counter()
+        n, stats = 0, None
         while eng.has_work():
-            for out in eng.step():
+            d = eng.step().get(key)
+            if d is not None:
+                n += len(d.token_ids)
+                stats = d.stats or stats
                 if show:
-                    print(out.text, end="", flush=True)
-        seq = eng.finished.pop(req.request_id)
-        return len(seq.output), time.perf_counter() - t0, seq.stats
+                    print(d.text, end="", flush=True)
+        return n, time.perf_counter() - t0, stats
 
     print(f"[specd demo] target SmolLM2-135M-Instruct ({args.dtype}), draft {args.draft}, γ={gamma}")
     for i, q in enumerate(DEMO_QUESTIONS):

@@ -16,9 +16,10 @@ from actors import distill as D
 from actors.build import load_distilled, make_drafter
 from actors.drafters.base import DraftSeq
 from actors.drafters.eagle import EagleDrafter, EagleHead
-from actors.engine import Request, SamplingParams, SpecEngine
+from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
 from actors.models import LoadedModel, build_tiny, load_model
+from helpers import request, run
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +95,14 @@ def test_eagle_draft_is_lossless_and_accepts_in_the_engine(target):
     head = EagleHead(target.model, torch.arange(512)).eval()
     prompts = [[5, 9, 33, 2 + i, 100 + i] for i in range(4)]
 
-    def run(draft):
+    def go(draft):
         eng = SpecEngine(LlamaRunner(target.model), {"eagle": EagleDrafter(head, "eagle", max_batch=4, max_len=200)},
                          max_batch=4, max_len=200)
-        res = eng.run([Request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True), draft, 4 if draft else 0)
-                       for i, p in enumerate(prompts)])
-        return [res[f"r{i}"].output for i in range(len(prompts))], sum(s.stats.accepted_tokens for s in res.values())
+        res = run(eng, [request(f"r{i}", p, draft, 4, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)])
+        return [res[f"r{i}"].token_ids for i in range(len(prompts))], sum(s.stats.accepted_tokens for s in res.values())
 
-    plain, _ = run(None)
-    spec, accepted = run("eagle")
+    plain, _ = go(None)
+    spec, accepted = go("eagle")
     assert spec == plain
     assert accepted > 0
 
@@ -151,9 +151,9 @@ def test_saved_draft_round_trips_and_keeps_greedy_output(target, data, tmp_path)
         outs = {}
         for draft in (None, "d"):
             eng = SpecEngine(LlamaRunner(target.model), {"d": drafter}, max_batch=4, max_len=200)
-            res = eng.run([Request(f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True), draft,
-                                   3 if draft else 0) for i, p in enumerate(prompts)])
-            outs[draft] = [res[f"r{i}"].output for i in range(3)]
+            res = run(eng, [request(f"r{i}", p, draft, 3, max_tokens=30, ignore_eos=True)
+                            for i, p in enumerate(prompts)])
+            outs[draft] = [res[f"r{i}"].token_ids for i in range(3)]
         assert outs["d"] == outs[None], kind
         # A restricted head only ever proposes its own tokens (mapped back to target ids).
         seq = list(range(20, 40))

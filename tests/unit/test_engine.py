@@ -22,18 +22,14 @@ import torch
 
 import actors.engine as engine_mod
 from actors.drafters import DraftSeq, Drafter, ModelDrafter, NgramDrafter, Proposal
-from actors.engine import MAX_GAMMA, Request, SamplingParams, SpecEngine, SpecStats
+from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
 from actors.models import LoadedModel, build_tiny, check_draft_compatible
 from actors.sampling import sample
+from actors.schema import MAX_GAMMA, Completion, Request, SamplingParams, SpecStats, SpeculationParams
+from helpers import chat_ids, rand_tokens, request, run
 
 MAX_LEN = 128
-
-
-def rand_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
-
 
 # Mixed lengths, including a one-token prompt and a repetitive one (n-gram hits).
 PROMPTS = [rand_tokens(7, 1), [42], rand_tokens(20, 2), [10, 11, 12] * 4, rand_tokens(3, 3), rand_tokens(12, 4)]
@@ -75,15 +71,15 @@ def make_drafters(target: LoadedModel, draft: LoadedModel | None = None, max_bat
 
 
 def make_engine(target: LoadedModel, draft: LoadedModel | None = None, *, max_batch: int = 8,
-                max_len: int = MAX_LEN, eos=frozenset(), drafters=None) -> SpecEngine:
+                max_len: int = MAX_LEN, eos=frozenset(), drafters=None, prefill_chunk: int = 512) -> SpecEngine:
     """Tiny models have no tokenizer and eos disabled (as HF generate with eos_token_id=None)."""
     drafters = make_drafters(target, draft, max_batch, max_len) if drafters is None else drafters
     return SpecEngine(LlamaRunner(target.model), drafters, tokenizer=target.tokenizer,
-                      eos_token_ids=set(eos), max_batch=max_batch, max_len=max_len)
+                      eos_token_ids=set(eos), max_batch=max_batch, max_len=max_len, prefill_chunk=prefill_chunk)
 
 
 def requests(draft, gamma, prompts=PROMPTS, max_tokens=MAX_TOKENS, **params) -> list[Request]:
-    return [Request(f"r{i}", p, SamplingParams(max_tokens=n, **params), draft, gamma)
+    return [request(f"r{i}", p, draft, gamma, max_tokens=n, **params)
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
 
 
@@ -97,7 +93,7 @@ def assert_hf_equal(results, hf_refs, max_tokens=MAX_TOKENS):
     for i, n in enumerate(max_tokens):
         seq = results[f"r{i}"]
         assert len(hf_refs[i]) >= n
-        assert seq.output == hf_refs[i][:n], f"request r{i} (prompt {len(seq.req.prompt_ids)} tokens)"
+        assert seq.token_ids == hf_refs[i][:n], f"request r{i} (prompt {seq.prompt_tokens} tokens)"
         assert seq.finish_reason == "length"
 
 
@@ -114,7 +110,7 @@ def test_greedy_batch_equals_hf_generate(tiny, tiny_draft, hf_refs, draft, gamma
     truncated:4 is the whole target (every draft accepted: bonus path), "draft" is a separate
     random model (nearly every draft rejected), ngram hits on the repetitive prompt."""
     eng = make_engine(tiny, tiny_draft)
-    res = eng.run(requests(draft, gamma))
+    res = run(eng, requests(draft, gamma))
     assert_hf_equal(res, hf_refs)
     if gamma:
         assert eng.stats.draft_tokens > 0  # the drafts were really exercised
@@ -130,13 +126,12 @@ def test_greedy_mixed_drafters_and_sampled_rows_in_one_batch(tiny, tiny_draft, h
     the greedy requests still equal HF exactly."""
     eng = make_engine(tiny, tiny_draft)
     cfg = [(None, 0), ("ngram", 4), ("truncated:2", 2), ("truncated:4", 3), ("draft", 3), ("garbage", 6)]
-    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=n), d, g)
-            for i, (p, n, (d, g)) in enumerate(zip(PROMPTS, MAX_TOKENS, cfg))]
-    reqs += [Request(f"s{i}", PROMPTS[i], SamplingParams(max_tokens=20, temperature=1.0, seed=i), d, g)
+    reqs = [request(f"r{i}", p, d, g, max_tokens=n) for i, (p, n, (d, g)) in enumerate(zip(PROMPTS, MAX_TOKENS, cfg))]
+    reqs += [request(f"s{i}", PROMPTS[i], d, g, max_tokens=20, temperature=1.0, seed=i)
              for i, (d, g) in enumerate([("draft", 4), ("ngram", 2), ("truncated:4", 5)])]
-    res = eng.run(reqs)  # 9 requests, 8 slots: one waits for a free slot
+    res = run(eng, reqs)  # 9 requests, 8 slots: one waits for a free slot
     assert_hf_equal(res, hf_refs)
-    assert all(len(res[f"s{i}"].output) == 20 for i in range(3))
+    assert all(len(res[f"s{i}"].token_ids) == 20 for i in range(3))
 
 
 def test_greedy_planted_bug_accept_all_is_detected(tiny, tiny_draft, hf_refs, monkeypatch):
@@ -153,8 +148,8 @@ def test_greedy_planted_bug_accept_all_is_detected(tiny, tiny_draft, hf_refs, mo
         return num_draft.clone(), out
 
     monkeypatch.setattr(engine_mod, "verify_greedy", accept_all)
-    res = make_engine(tiny, tiny_draft).run(requests("draft", 3))
-    wrong = [i for i in range(len(PROMPTS)) if res[f"r{i}"].output != hf_refs[i][:MAX_TOKENS[i]]]
+    res = run(make_engine(tiny, tiny_draft), requests("draft", 3))
+    wrong = [i for i in range(len(PROMPTS)) if res[f"r{i}"].token_ids != hf_refs[i][:MAX_TOKENS[i]]]
     assert len(wrong) == len(PROMPTS)
 
 
@@ -163,8 +158,8 @@ def test_greedy_planted_bug_no_rollback_is_detected(tiny, tiny_draft, hf_refs):
     cache and are attended. The equivalence check must catch it."""
     eng = make_engine(tiny, tiny_draft, max_len=256)
     eng.cache.truncate = lambda slot, length: None
-    res = eng.run(requests("draft", 3))
-    wrong = [i for i in range(len(PROMPTS)) if res[f"r{i}"].output != hf_refs[i][:MAX_TOKENS[i]]]
+    res = run(eng, requests("draft", 3))
+    wrong = [i for i in range(len(PROMPTS)) if res[f"r{i}"].token_ids != hf_refs[i][:MAX_TOKENS[i]]]
     assert len(wrong) >= len(PROMPTS) - 1  # r4 (5 tokens) may be short enough to survive
 
 
@@ -179,9 +174,7 @@ SMOL_MAX_LEN = 96
 
 @pytest.fixture(scope="module")
 def smol_prompts(smollm2):
-    tok = smollm2.tokenizer
-    return [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                         return_dict=False)) for c in CHAT]
+    return [chat_ids(smollm2.tokenizer, c) for c in CHAT]
 
 
 @pytest.fixture(scope="module")
@@ -204,11 +197,11 @@ def test_smollm2_greedy_equals_hf_generate(smollm2, smol_engine, smol_prompts, s
     tok = smollm2.tokenizer
     assert any(r[-1] in smollm2.eos_token_ids and len(r) < SMOL_NEW for r in smol_refs)  # an EOS case
     for draft, gamma in [(None, 0), ("ngram", 3), ("truncated:4", 3)]:
-        res = smol_engine.run([Request(f"{draft}{i}", p, SamplingParams(max_tokens=SMOL_NEW), draft, gamma)
-                               for i, p in enumerate(smol_prompts)])
+        res = run(smol_engine, [request(f"{draft}{i}", p, draft, gamma, max_tokens=SMOL_NEW)
+                                for i, p in enumerate(smol_prompts)])
         for i, ref in enumerate(smol_refs):
             seq = res[f"{draft}{i}"]
-            assert seq.output == ref, (draft, i, tok.decode(seq.output), tok.decode(ref))
+            assert seq.token_ids == ref, (draft, i, tok.decode(seq.token_ids), tok.decode(ref))
             assert seq.text == tok.decode(ref, skip_special_tokens=True)
             assert seq.finish_reason == ("stop" if ref[-1] in smollm2.eos_token_ids else "length")
 
@@ -224,20 +217,18 @@ def test_smollm2_stop_strings(smollm2, smol_engine, smol_prompts, smol_refs, sto
     assert stop in ref_text
     k = next(k for k in range(1, len(ref) + 1) if stop in tok.decode(ref[:k], skip_special_tokens=True))
     for draft, gamma in [(None, 0), ("truncated:4", 4)]:
-        rid = f"stop-{draft}-{stop!r}"
-        smol_engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=SMOL_NEW, stop=(stop,)),
-                                        draft, gamma))
-        streamed, last = "", None
+        key = smol_engine.add_request(request(f"stop-{draft}", prompt, draft, gamma, max_tokens=SMOL_NEW,
+                                              stop=(stop,)))
+        deltas = []
         while smol_engine.has_work():
-            for o in smol_engine.step():
-                streamed += o.text
-                last = o
-        seq = smol_engine.finished.pop(rid)
+            deltas += [d for k, d in smol_engine.step().items() if k == key]
+        seq = Completion.join(deltas)
         assert seq.text == ref_text[:ref_text.index(stop)]
-        assert seq.finish_reason == "stop" and last.finished and last.finish_reason == "stop"
-        assert seq.output == ref[:k]
-        # The beginning of a (multi-token) stop string is held back, never streamed.
-        assert streamed == seq.text
+        assert seq.finish_reason == "stop"
+        assert seq.token_ids == ref[:k]
+        # The beginning of a (multi-token) stop string is held back, never streamed: every
+        # delta's text is a piece of the final text, and they add up to it.
+        assert "".join(d.text for d in deltas) == seq.text
 
 
 # --------------------------------------------------------------------------- #
@@ -252,10 +243,10 @@ def test_sampling_reproducible_with_seed(tiny, tiny_draft, draft, gamma):
     give different tokens (the tiny model's temperature-1 distribution is close to uniform
     over 512 tokens, so two seeds agreeing on 16 tokens by chance is ~impossible)."""
     def go(seed0):
-        reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=seed0 + i),
-                        draft, gamma) for i, p in enumerate(PROMPTS[:4])]
-        res = make_engine(tiny, tiny_draft).run(reqs)
-        return [res[f"r{i}"].output for i in range(4)]
+        reqs = [request(f"r{i}", p, draft, gamma, max_tokens=16, temperature=1.0, top_p=0.95, seed=seed0 + i)
+                for i, p in enumerate(PROMPTS[:4])]
+        res = run(make_engine(tiny, tiny_draft), reqs)
+        return [res[f"r{i}"].token_ids for i in range(4)]
 
     a, b, c = go(100), go(100), go(200)
     assert a == b
@@ -267,15 +258,14 @@ def test_sampling_reproducible_with_seed(tiny, tiny_draft, draft, gamma):
 def test_sampling_independent_of_batch_composition_plain(tiny):
     """γ = 0: a seeded request gives the same tokens alone and inside a batch with other
     sampled and greedy requests of other lengths (admitted in the same or later steps)."""
-    target = SamplingParams(max_tokens=20, temperature=0.8, top_k=100, seed=7)
-    alone = make_engine(tiny).run([Request("x", PROMPTS[2], target)])["x"].output
-    others = [Request(f"o{i}", p, SamplingParams(max_tokens=5 + 3 * i, temperature=1.0, seed=i))
-              for i, p in enumerate(PROMPTS[:3])] + [Request("g", PROMPTS[3], SamplingParams(max_tokens=9))]
+    target = dict(max_tokens=20, temperature=0.8, top_k=100, seed=7)
+    alone = run(make_engine(tiny), [request("x", PROMPTS[2], **target)])["x"].token_ids
+    others = [request(f"o{i}", p, max_tokens=5 + 3 * i, temperature=1.0, seed=i) for i, p in enumerate(PROMPTS[:3])]
+    others.append(request("g", PROMPTS[3], max_tokens=9))
     for order in (others[:2] + [None] + others[2:], [None] + others):
-        reqs = [Request("x", PROMPTS[2], SamplingParams(**vars(target))) if r is None else
-                Request(r.request_id, r.prompt_ids, SamplingParams(**vars(r.params))) for r in order]
-        res = make_engine(tiny, max_batch=3).run(reqs)
-        assert res["x"].output == alone
+        reqs = [request("x", PROMPTS[2], **target) if r is None else r for r in order]
+        res = run(make_engine(tiny, max_batch=3), reqs)
+        assert res["x"].token_ids == alone
 
 
 @pytest.mark.parametrize("draft,gamma", [("ngram", 3), ("truncated:2", 3), ("draft", 4)])
@@ -284,23 +274,22 @@ def test_sampling_independent_of_batch_composition_speculative(tiny, tiny_draft,
     row is verified at its own draft length, and a drafter draws only for its own γ. Batch-
     mates here draft more (γ 8), fewer (n-gram misses) or not at all, and finish early.
     (Regression: verifying every row at the batch-wide width shifted the row's random draws.)"""
-    target = SamplingParams(max_tokens=20, temperature=1.0, seed=11)
-    alone = make_engine(tiny, tiny_draft).run([Request("x", PROMPTS[0], target, draft, gamma)])["x"].output
-    mates = [Request("m0", PROMPTS[3], SamplingParams(max_tokens=24), "ngram", 8),
-             Request("m1", PROMPTS[2], SamplingParams(max_tokens=6, temperature=1.0, seed=3), "truncated:2", 8),
-             Request("m2", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.7, seed=5))]
-    res = make_engine(tiny, tiny_draft).run(mates[:2] + [Request("x", PROMPTS[0], SamplingParams(**vars(target)),
-                                                                 draft, gamma)] + mates[2:])
-    assert res["x"].output == alone
+    target = dict(max_tokens=20, temperature=1.0, seed=11)
+    alone = run(make_engine(tiny, tiny_draft), [request("x", PROMPTS[0], draft, gamma, **target)])["x"].token_ids
+    mates = [request("m0", PROMPTS[3], "ngram", 8, max_tokens=24),
+             request("m1", PROMPTS[2], "truncated:2", 8, max_tokens=6, temperature=1.0, seed=3),
+             request("m2", PROMPTS[1], max_tokens=12, temperature=0.7, seed=5)]
+    res = run(make_engine(tiny, tiny_draft), mates[:2] + [request("x", PROMPTS[0], draft, gamma, **target)] + mates[2:])
+    assert res["x"].token_ids == alone
 
 
 def test_shared_sampling_params_do_not_share_a_seed(tiny):
     """Requests that share one SamplingParams object without a seed get independent
     randomness, and the caller's object is left untouched."""
     shared = SamplingParams(max_tokens=12, temperature=1.0)
-    res = make_engine(tiny).run([Request(f"r{i}", PROMPTS[0], shared) for i in range(3)])
+    res = run(make_engine(tiny), [Request(f"r{i}", PROMPTS[0], shared) for i in range(3)])
     assert shared.seed is None
-    assert len({tuple(res[f"r{i}"].output) for i in range(3)}) == 3
+    assert len({tuple(res[f"r{i}"].token_ids) for i in range(3)}) == 3
 
 
 def test_rows_near_the_context_limit_batch_with_long_drafts(tiny, tiny_draft):
@@ -310,14 +299,14 @@ def test_rows_near_the_context_limit_batch_with_long_drafts(tiny, tiny_draft):
     max_len = 64
     eng = make_engine(tiny, tiny_draft, max_len=max_len)
     long_prompt = rand_tokens(56, 9)
-    reqs = [Request("edge", long_prompt, SamplingParams(max_tokens=max_len - 56)),
-            Request("wide", PROMPTS[4], SamplingParams(max_tokens=40), "truncated:2", MAX_GAMMA),
-            Request("wide2", PROMPTS[0], SamplingParams(max_tokens=40), "draft", MAX_GAMMA)]
-    res = eng.run(reqs)
+    reqs = [request("edge", long_prompt, max_tokens=max_len - 56),
+            request("wide", PROMPTS[4], "truncated:2", MAX_GAMMA, max_tokens=40),
+            request("wide2", PROMPTS[0], "draft", MAX_GAMMA, max_tokens=40)]
+    res = run(eng, reqs)
     ref = tiny.model.generate(torch.tensor([long_prompt]), max_new_tokens=8, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, 56:].tolist()
-    assert res["edge"].output == ref
-    assert len(res["wide"].output) == 40 and len(res["wide2"].output) == 40
+    assert res["edge"].token_ids == ref
+    assert len(res["wide"].token_ids) == 40 and len(res["wide2"].token_ids) == 40
 
 
 # --------------------------------------------------------------------------- #
@@ -365,10 +354,10 @@ def sample_first_tokens(target, draft, name, gamma, seed0, n=N_DIST):
                 "ngram": NgramDrafter()}
     eng = SpecEngine(LlamaRunner(target.model), drafters, eos_token_ids=set(), max_batch=200, max_len=16)
     # max_tokens=5: the first verify step drafts min(γ, room=3) tokens after the prefilled t1
-    reqs = [Request(f"r{i}", DIST_PROMPT, SamplingParams(max_tokens=5, temperature=1.0, seed=seed0 + i),
-                    name, gamma) for i in range(n)]
-    res = eng.run(reqs)
-    toks = torch.tensor([res[f"r{i}"].output[:4] for i in range(n)])
+    reqs = [request(f"r{i}", DIST_PROMPT, name, gamma, max_tokens=5, temperature=1.0, seed=seed0 + i)
+            for i in range(n)]
+    res = run(eng, reqs)
+    toks = torch.tensor([res[f"r{i}"].token_ids[:4] for i in range(n)])
     return toks, eng.stats
 
 
@@ -466,8 +455,8 @@ def test_sampled_distribution_planted_bug_is_detected(small_models, exact_law, m
 def test_max_tokens_exact(tiny, hf_refs, draft, gamma):
     """max_tokens is hit exactly, even when a fully accepted draft block could overshoot."""
     for n in (1, 2, 3, 7, 13):
-        res = make_engine(tiny).run([Request("r", PROMPTS[3], SamplingParams(max_tokens=n), draft, gamma)])
-        assert res["r"].output == hf_refs[3][:n] and res["r"].finish_reason == "length"
+        res = run(make_engine(tiny), [request("r", PROMPTS[3], draft, gamma, max_tokens=n)])
+        assert res["r"].token_ids == hf_refs[3][:n] and res["r"].finish_reason == "length"
 
 
 @pytest.mark.parametrize("draft,gamma", [(None, 0), ("truncated:4", 4), ("draft", 3)])
@@ -480,10 +469,10 @@ def test_eos_stops_at_first_occurrence(tiny, tiny_draft, hf_refs, hf_greedy, dra
     eos = ref[k]
     assert hf_greedy(tiny.model, PROMPTS[0], 24, eos=eos) == ref[:k + 1]
     eng = make_engine(tiny, tiny_draft, eos={eos})
-    res = eng.run([Request("a", PROMPTS[0], SamplingParams(max_tokens=24), draft, gamma),
-                   Request("b", PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True), draft, gamma)])
-    assert res["a"].output == ref[:k + 1] and res["a"].finish_reason == "stop"
-    assert res["b"].output == ref and res["b"].finish_reason == "length"
+    res = run(eng, [request("a", PROMPTS[0], draft, gamma, max_tokens=24),
+                    request("b", PROMPTS[0], draft, gamma, max_tokens=24, ignore_eos=True)])
+    assert res["a"].token_ids == ref[:k + 1] and res["a"].finish_reason == "stop"
+    assert res["b"].token_ids == ref and res["b"].finish_reason == "length"
 
 
 # --------------------------------------------------------------------------- #
@@ -491,7 +480,7 @@ def test_eos_stops_at_first_occurrence(tiny, tiny_draft, hf_refs, hf_greedy, dra
 # --------------------------------------------------------------------------- #
 def check_stats_consistent(st: SpecStats, gamma: int) -> None:
     assert st.accepted_tokens <= st.draft_tokens <= gamma * st.drafts
-    assert st.drafts <= st.steps
+    assert st.drafts <= st.target_passes
     assert sum(st.drafted_per_pos) == st.draft_tokens and sum(st.accepted_per_pos) == st.accepted_tokens
     assert st.drafted_per_pos[0] == st.drafts
     assert all(a <= d for a, d in zip(st.accepted_per_pos, st.drafted_per_pos))
@@ -505,7 +494,8 @@ def check_stats_consistent(st: SpecStats, gamma: int) -> None:
         assert len(pp) == sum(d > 0 for d in st.drafted_per_pos)
         assert all(0 <= x <= 1 for x in pp)
     d = st.to_dict()
-    assert d["draft_tokens"] == st.draft_tokens and d["target_passes"] == st.steps
+    assert d["draft_tokens"] == st.draft_tokens and d["target_passes"] == st.target_passes
+    assert SpecStats.from_dict(d) == st
 
 
 @pytest.mark.parametrize("draft,gamma", [("ngram", 4), ("truncated:2", 3), ("draft", 2)])
@@ -515,14 +505,14 @@ def test_stats_consistent_and_aggregate(tiny, tiny_draft, draft, gamma):
     capped by the room left, so no commit is cut by max_tokens), and the engine's
     aggregate is the sum over requests."""
     eng = make_engine(tiny, tiny_draft)
-    res = eng.run(requests(draft, gamma))
+    res = run(eng, requests(draft, gamma))
     total = SpecStats()
     for seq in res.values():
         st = seq.stats
         check_stats_consistent(st, gamma)
-        assert len(seq.output) == 1 + st.steps + st.accepted_tokens
+        assert len(seq.token_ids) == 1 + st.target_passes + st.accepted_tokens
         total.add(st, times=False)
-    for f in ("drafts", "draft_tokens", "accepted_tokens", "steps", "accepted_per_pos", "drafted_per_pos"):
+    for f in ("drafts", "draft_tokens", "accepted_tokens", "target_passes", "accepted_per_pos", "drafted_per_pos"):
         assert getattr(eng.stats, f) == getattr(total, f), f
     assert eng.stats.draft_tokens > 0
     check_stats_consistent(eng.stats, gamma)
@@ -532,23 +522,23 @@ def test_stats_full_self_draft_accepts_everything(tiny):
     """The self-draft with all layers is the target: acceptance 1.0 at every position, and
     each verify pass commits γ+1 tokens (except where capped by max_tokens)."""
     gamma = 3
-    res = make_engine(tiny).run(requests("truncated:4", gamma))
+    res = run(make_engine(tiny), requests("truncated:4", gamma))
     for seq, n in zip(res.values(), MAX_TOKENS):
         st = seq.stats
         assert st.acceptance_rate == 1.0 and st.accepted_tokens == st.draft_tokens
         assert st.per_position() == [1.0] * min(gamma, n - 2)  # room after t1 is n - 2
-        assert st.steps == math.ceil((n - 1) / (gamma + 1))
+        assert st.target_passes == math.ceil((n - 1) / (gamma + 1))
         assert st.mean_accepted_length == (1 + st.accepted_tokens / st.drafts if st.drafts else 1.0)
 
 
 def test_stats_gamma_zero_has_no_drafts(tiny):
     eng = make_engine(tiny)
-    res = eng.run(requests(None, 0))
+    res = run(eng, requests(None, 0))
     for seq, n in zip(res.values(), MAX_TOKENS):
         assert seq.stats.drafts == 0 and seq.stats.draft_tokens == 0 and seq.stats.accepted_tokens == 0
-        assert seq.stats.steps == n - 1  # one target pass per token after the prefill
+        assert seq.stats.target_passes == n - 1  # one target pass per token after the prefill
         assert seq.stats.mean_accepted_length == 1.0 and seq.stats.acceptance_rate == 0.0
-    assert eng.stats.draft_tokens == 0 and eng.stats.steps == sum(MAX_TOKENS) - len(MAX_TOKENS)
+    assert eng.stats.draft_tokens == 0 and eng.stats.target_passes == sum(MAX_TOKENS) - len(MAX_TOKENS)
 
 
 # --------------------------------------------------------------------------- #
@@ -559,19 +549,19 @@ def test_more_requests_than_slots(tiny, tiny_draft, hf_refs):
     reused; the streamed token deltas add up to each output; nothing is left held."""
     eng = make_engine(tiny, tiny_draft, max_batch=2)
     cfg = [("truncated:2", 3), ("ngram", 3), ("draft", 2), ("truncated:2", 1), (None, 0), ("draft", 4)]
-    for i, (p, n, (d, g)) in enumerate(zip(PROMPTS, MAX_TOKENS, cfg)):
-        eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=n), d, g))
-    streamed: dict[str, list[int]] = {}
+    keys = {eng.add_request(request(f"r{i}", p, d, g, max_tokens=n)): f"r{i}"
+            for i, (p, n, (d, g)) in enumerate(zip(PROMPTS, MAX_TOKENS, cfg))}
+    deltas: dict[str, list] = {rid: [] for rid in keys.values()}
+    slots = set()
     while eng.has_work():
-        for o in eng.step():
-            streamed.setdefault(o.request_id, []).extend(o.token_ids)
-        assert eng.kv_slots_in_use() <= 2 and len(eng.waiting) + eng.kv_slots_in_use() <= 6
+        for k, d in eng.step().items():
+            deltas[keys[k]].append(d)
+        slots |= {s.slot for s in eng.active.values()}
+        assert eng.kv_slots_in_use() <= 2 and eng.num_waiting() + eng.kv_slots_in_use() <= 6
         assert all(d.num_active() <= 2 for d in eng.drafters.values())
-    res = {f"r{i}": eng.finished.pop(f"r{i}") for i in range(6)}
+    res = {rid: Completion.join(ds) for rid, ds in deltas.items()}
     assert_hf_equal(res, hf_refs)
-    assert {s.slot for s in res.values()} == {0, 1}
-    for rid, seq in res.items():
-        assert streamed[rid] == seq.output
+    assert slots == {0, 1}
     assert eng.kv_slots_in_use() == 0 and eng.free_slots == [0, 1] and eng.cache.lengths == [0, 0]
     assert all(d.num_active() == 0 for d in eng.drafters.values())
 
@@ -579,26 +569,78 @@ def test_more_requests_than_slots(tiny, tiny_draft, hf_refs):
 def test_abort_frees_target_and_drafter_state(tiny, tiny_draft, hf_refs):
     eng = make_engine(tiny, tiny_draft, max_batch=2)
     drafter = eng.drafters["truncated:2"]
-    eng.add_request(Request("a", PROMPTS[0], SamplingParams(max_tokens=24), "truncated:2", 3))
-    eng.add_request(Request("b", PROMPTS[2], SamplingParams(max_tokens=17), "truncated:2", 3))
-    eng.add_request(Request("c", PROMPTS[5], SamplingParams(max_tokens=24), "truncated:2", 2))  # waits
-    eng.step()
-    eng.step()
-    assert eng.kv_slots_in_use() == 2 and drafter.num_active() == 2 and len(eng.waiting) == 1
-    slot_a = eng.active["a"].slot
-    assert eng.abort("a") is True
+    a = eng.add_request(request("a", PROMPTS[0], "truncated:2", 3, max_tokens=24))
+    b = eng.add_request(request("b", PROMPTS[2], "truncated:2", 3, max_tokens=17))
+    c = eng.add_request(request("c", PROMPTS[5], "truncated:2", 2, max_tokens=24))  # waits
+    out = {k: [] for k in (a, b)}
+    for _ in range(2):
+        for k, d in eng.step().items():
+            out[k].append(d)
+    assert eng.kv_slots_in_use() == 2 and drafter.num_active() == 2 and eng.num_waiting() == 1
+    slot_a = eng.active[a].slot
+    assert eng.abort(a) is True
     assert eng.kv_slots_in_use() == 1 and drafter.num_active() == 1
     assert eng.cache.lengths[slot_a] == 0 and slot_a in eng.free_slots
-    assert eng.finished["a"].finish_reason == "abort"
-    assert eng.abort("a") is False and eng.abort("nope") is False
-    # a waiting request can be aborted too; then re-submitted under the same id
-    assert eng.abort("c") is True and not eng.waiting
-    eng.add_request(Request("c", PROMPTS[5], SamplingParams(max_tokens=24), "truncated:2", 2))
+    assert eng.abort(a) is False and eng.abort(12345) is False
+    # a waiting request can be aborted too; then re-submitted (under the same request id)
+    assert eng.abort(c) is True and not eng.num_waiting()
+    c = eng.add_request(request("c", PROMPTS[5], "truncated:2", 2, max_tokens=24))
+    out[c] = []
     while eng.has_work():
-        eng.step()
-    assert eng.finished["b"].output == hf_refs[2][:17]
-    assert eng.finished["c"].output == hf_refs[5][:24]  # reused a's slot: no stale KV
+        for k, d in eng.step().items():
+            out[k].append(d)
+    assert Completion.join(out[b]).token_ids == hf_refs[2][:17]
+    assert Completion.join(out[c]).token_ids == hf_refs[5][:24]  # reused a's slot: no stale KV
     assert eng.kv_slots_in_use() == 0 and drafter.num_active() == 0
+
+
+def test_same_request_id_twice_in_flight(tiny, hf_refs):
+    """Regression (defect: the engine keyed sequences by the caller's request id, so a second
+    request with the same id overwrote the first). Two concurrent requests with one id and
+    different prompts each complete with their own output, under their own keys."""
+    eng = make_engine(tiny)
+    k1 = eng.add_request(request("same", PROMPTS[0], "truncated:2", 3, max_tokens=20))
+    k2 = eng.add_request(request("same", PROMPTS[2], max_tokens=17))
+    assert k1 != k2
+    out = {k1: [], k2: []}
+    while eng.has_work():
+        for k, d in eng.step().items():
+            out[k].append(d)
+    assert Completion.join(out[k1]).token_ids == hf_refs[0][:20]
+    assert Completion.join(out[k2]).token_ids == hf_refs[2][:17]
+    assert all(d.request_id == "same" for ds in out.values() for d in ds)
+
+
+def test_chunked_prefill_keeps_running_streams_decoding(tiny, hf_greedy):
+    """Regression (defect: every admissible prompt was prefilled in one pass before any decode
+    step, stalling running streams). While a 900-token prompt is admitted under a per-step
+    budget of 128 prompt tokens, each of 4 running streams commits at least one token in every
+    step (counted in steps, not seconds), and every output, the long one included, still
+    equals HF generate."""
+    eng = make_engine(tiny, max_len=1000 - 17, prefill_chunk=128)
+    runners = [eng.add_request(request(f"s{i}", PROMPTS[i], "truncated:2", 2, max_tokens=60)) for i in range(4)]
+    out = {k: [] for k in runners}
+    for _ in range(3):  # all four decoding
+        for k, d in eng.step().items():
+            out[k].append(d)
+    long_prompt = rand_tokens(900, 77)
+    big = eng.add_request(request("long", long_prompt, max_tokens=8))
+    out[big] = []
+    steps = 0
+    while not out[big]:  # until the long prompt commits its first token
+        step = eng.step()
+        steps += 1
+        for k in runners:
+            assert len(step[k].token_ids) >= 1, f"stream {k} stalled in step {steps}"
+        for k, d in step.items():
+            out[k].append(d)
+    assert steps == math.ceil(900 / 128)
+    while eng.has_work():
+        for k, d in eng.step().items():
+            out[k].append(d)
+    for i, k in enumerate(runners):
+        assert Completion.join(out[k]).token_ids == hf_greedy(tiny.model, PROMPTS[i], 60, eos=None)
+    assert Completion.join(out[big]).token_ids == hf_greedy(tiny.model, long_prompt, 8, eos=None)
 
 
 # --------------------------------------------------------------------------- #
@@ -610,42 +652,33 @@ def SP(**kw) -> SamplingParams:
 
 BAD = [
     (dict(prompt_ids=[]), "prompt must not be empty"),
-    (dict(prompt_ids=[5, 512]), r"prompt token ids must be in \[0, 512\)"),
-    (dict(params=SP(max_tokens=0)), "max_tokens"),
-    (dict(params=SP(max_tokens=MAX_LEN)), "max_tokens"),
-    (dict(params=SP(max_tokens=MAX_LEN - 4)), r"prompt \(5 tokens\) \+ max_tokens"),
-    (dict(params=SP(temperature=-0.1)), "temperature"),
-    (dict(params=SP(temperature=float("nan"))), "temperature"),
-    (dict(params=SP(top_p=0.0)), "top_p"),
-    (dict(params=SP(top_p=1.5)), "top_p"),
-    (dict(params=SP(top_k=-1)), "top_k"),
-    (dict(params=SP(stop=("",))), "stop"),
-    (dict(draft="ngram", gamma=MAX_GAMMA + 1), "gamma must be in"),
-    (dict(draft="ngram", gamma=-1), "gamma must be in"),
-    (dict(draft="nope", gamma=2), "unknown draft 'nope'"),
-    (dict(gamma=2), "gamma > 0 needs a draft"),
+    (dict(prompt_ids=[5, 512]), r"prompt token ids must be integers in \[0, 512\)"),
+    (dict(sampling=SP(max_tokens=0)), r"sampling.max_tokens must be in \[1, 127\], got 0"),
+    (dict(sampling=SP(max_tokens=MAX_LEN)), r"sampling.max_tokens must be in \[1, 127\]"),
+    (dict(sampling=SP(max_tokens=MAX_LEN - 4)), r"prompt is 5 tokens; prompt \+ sampling.max_tokens"),
+    (dict(sampling=SP(temperature=-0.1)), "sampling.temperature"),
+    (dict(sampling=SP(temperature=float("nan"))), "sampling.temperature"),
+    (dict(sampling=SP(top_p=0.0)), r"sampling.top_p must be in \(0, 1\]"),
+    (dict(sampling=SP(top_p=1.5)), "sampling.top_p"),
+    (dict(sampling=SP(top_k=-1)), "sampling.top_k must be >= 0"),
+    (dict(sampling=SP(seed=-1)), "sampling.seed"),
+    (dict(sampling=SP(stop=("",))), "sampling.stop"),
+    (dict(speculation=SpeculationParams("ngram", MAX_GAMMA + 1)), rf"speculation.gamma must be in \[0, {MAX_GAMMA}\]"),
+    (dict(speculation=SpeculationParams("ngram", -1)), "speculation.gamma must be in"),
+    (dict(speculation=SpeculationParams("nope", 2)), "speculation.draft 'nope' is unknown"),
+    (dict(request_id="x" * 129), "request_id must be a string of at most 128 bytes"),
 ]
 
 
 @pytest.mark.parametrize("kw,msg", BAD, ids=[f"{i}-{next(iter(kw))}" for i, (kw, _) in enumerate(BAD)])
 def test_bad_request_raises(tiny, kw, msg):
+    """The engine validates with the request schema: the message names the field (by its path
+    in the wire API) and the limit, as the router's INVALID_ARGUMENT does."""
     eng = make_engine(tiny, drafters={"ngram": NgramDrafter()})
-    base = dict(request_id="x", prompt_ids=[5, 6, 7, 8, 9], params=SamplingParams(max_tokens=8))
+    base = dict(request_id="x", prompt_ids=[5, 6, 7, 8, 9], sampling=SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match=msg):
         eng.add_request(Request(**{**base, **kw}))
-    assert not eng.waiting
-
-
-def test_duplicate_request_id_raises(tiny):
-    eng = make_engine(tiny, drafters={})
-    eng.add_request(Request("x", [5, 6], SamplingParams(max_tokens=4)))
-    with pytest.raises(ValueError, match="request_id 'x' is already in flight"):
-        eng.add_request(Request("x", [7], SamplingParams(max_tokens=4)))  # waiting
-    eng.step()
-    assert "x" in eng.active
-    with pytest.raises(ValueError, match="request_id 'x' is already in flight"):
-        eng.add_request(Request("x", [7], SamplingParams(max_tokens=4)))  # running
-    assert len(eng.waiting) == 0
+    assert not eng.num_waiting()
 
 
 def test_check_draft_compatible(tiny, tiny_draft):

@@ -13,7 +13,7 @@ from specd_client import SpecdClient
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def nodes(start_cluster):
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -27,9 +27,9 @@ def nodes():
         "drafts": [{"name": "truncated:2", "spec": "truncated:2", "max_batch": 2,
                     "resources": {"custom": {"small_accel": 1}},
                     "autoscaling": {"min_replicas": 2, "max_replicas": 2}}]})
-    addr = S.start(cfg, address=c.address)
+    addr, _ = start_cluster(cfg, address=c.address)
     yield addr, small.node_id, large.node_id
-    S.stop()
+    S.stop()  # Serve and the driver first, then the raylets under them
     c.shutdown()
 
 

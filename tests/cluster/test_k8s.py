@@ -13,7 +13,7 @@ import yaml
 from cluster.app import SERVICER_FUNCTIONS, config_from_args
 from cluster.config import ClusterConfig
 
-K8S = Path(__file__).resolve().parent.parent / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
 
 

@@ -12,33 +12,15 @@ one decode step, and how close a target pass comes to the memory-bandwidth floor
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
 
-from actors.build import build_engine, draft_meta, encode_prompt
-from actors.engine import Request, SamplingParams, SpecStats
+from actors.build import build_engine, draft_meta
+from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
+from actors.text import encode_prompt
 
-DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
-
-
-def load_prompts(path: str | Path | None = None) -> list[dict]:
-    """JSONL: one object per line with "prompt": str or "messages": [{"role", "content"}]."""
-    path = Path(path or DEFAULT_PROMPTS)
-    out = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        if ("prompt" in obj) == ("messages" in obj):
-            raise ValueError(f"{path}:{i + 1}: each line needs exactly one of 'prompt' or 'messages'")
-        out.append(obj)
-    if not out:
-        raise ValueError(f"{path}: no prompts")
-    return out
-
+from ..data import load_prompts
 
 def hf_truncated(model, k: int):
     """A Hugging Face model made of the target's first k layers (for generate(assistant_model=...))."""
@@ -94,7 +76,7 @@ def verify_costs(runner, ctx: int = 200, sizes=(1, 2, 3, 5, 8), reps: int = 15) 
     feeds = {t: torch.randint(0, runner.vocab_size, (1, t), generator=g) for t in sizes}
     for rep in range(reps + 2):
         for t in sizes:
-            cache.lengths[0] = ctx
+            cache.truncate(0, ctx)
             t0 = time.perf_counter()
             runner.logits(runner.forward(cache, [0], feeds[t]))
             if rep >= 2:
@@ -109,15 +91,13 @@ def step_profile(built, prompt_ids: list[int], steps: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     eng = built.engine
-    eng.add_request(Request("profile", prompt_ids, SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
+    key = eng.add_request(Request("profile", prompt_ids, SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
     eng.step()  # prefill
     eng.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             eng.step()
-    while eng.has_work():
-        eng.step()
-    eng.finished.pop("profile", None)
+    eng.abort(key)
     families = {"matmul (linear, LM head)": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
                 "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::softmax"),
                 "KV cache write/read": ("aten::index_put", "aten::_index_put_impl_", "aten::index"),
@@ -258,14 +238,57 @@ def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants
         return _hf_generate(hf, tok, batch, max_tokens, eos, assistant_model=assistants[spec]), None
     if kind == "hf-lookup":
         return _hf_generate(hf, tok, batch, max_tokens, eos, prompt_lookup_num_tokens=gamma), None
-    eng.adaptive_gamma = kind == "engine-adaptive"
-    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens), spec, gamma if spec else 0)
-            for i, p in enumerate(batch)]
-    done = eng.run(reqs)
+    eng.set_adaptive_gamma(kind == "engine-adaptive")
+    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens),
+                    SpeculationParams(draft=spec or "none", gamma=gamma if spec else 0)) for i, p in enumerate(batch)]
+    done = eng.generate(reqs)
     stats = SpecStats()
-    for r in reqs:
-        stats.add(done[r.request_id].stats)
-    return [done[r.request_id].output for r in reqs], stats
+    for c in done:
+        stats.add(c.stats)
+    return [c.token_ids for c in done], stats
+
+
+def head_of_line(model: str = "smollm2", dtype: str = "bf16", long_tokens: int = 1500, streams: int = 4,
+                 chunks=(None, 256), rounds: int = 2) -> dict:
+    """Inter-token latency of `streams` running greedy streams while a `long_tokens` prompt is
+    admitted, per prefill chunk budget (None: the whole prompt in one step, as before chunked
+    prefill), interleaved over `rounds`. A stream token's latency is the wall time of the step
+    that committed it divided by the tokens it committed there."""
+    built = build_engine(model, [], dtype, max_batch=streams + 1, max_len=long_tokens + 128)
+    eng, tok = built.engine, built.target.tokenizer
+    short = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in load_prompts()[:streams]]
+    filler = encode_prompt(tok, prompt=" ".join(p.get("prompt") or p["messages"][-1]["content"] for p in load_prompts()))
+    long_ids = (filler * (long_tokens // len(filler) + 1))[:long_tokens]
+    itl: dict[str, list[float]] = {str(c): [] for c in chunks}
+    steps: dict[str, int] = {str(c): 0 for c in chunks}
+    for _ in range(rounds):
+        for c in chunks:
+            eng.prefill_chunk = c or long_tokens
+            keys = [eng.add_request(Request(f"s{i}", p, SamplingParams(max_tokens=120, ignore_eos=True)))
+                    for i, p in enumerate(short)]
+            for _ in range(3):
+                eng.step()  # all streams decoding
+            big = eng.add_request(Request("long", long_ids, SamplingParams(max_tokens=4)))
+            while True:
+                t0 = time.perf_counter()
+                out = eng.step()
+                dt = time.perf_counter() - t0
+                steps[str(c)] += 1
+                for k in keys:
+                    if k in out and out[k].token_ids:
+                        itl[str(c)] += [dt / len(out[k].token_ids)] * len(out[k].token_ids)
+                if big in out:
+                    break
+            for k in keys + [big]:
+                eng.abort(k)
+    eng.prefill_chunk = 512
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else None
+    return {"long_prompt_tokens": long_tokens, "streams": streams, "rounds": rounds,
+            "by_chunk": {c: {"itl_p50_ms": pct(v, 0.5), "itl_p99_ms": pct(v, 0.99), "steps_to_admit":
+                             steps[c] / rounds} for c, v in itl.items()}}
 
 
 def render(report: dict) -> str:

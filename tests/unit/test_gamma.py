@@ -4,9 +4,10 @@ drafts are mostly rejected; the engine stays exact under it."""
 import pytest
 
 from actors.drafters import ModelDrafter, NgramDrafter
-from actors.engine import Request, SamplingParams, SpecEngine
+from actors.engine import SpecEngine
 from actors.gamma import AdaptiveGamma, PassCost
 from actors.llama import LlamaRunner
+from helpers import request, run
 
 
 def trained(policy: AdaptiveGamma, name: str, accepted: int, gamma: int = 4, rows: int = 1, steps: int = 40):
@@ -60,7 +61,6 @@ def test_engine_with_adaptive_gamma_stays_exact(tiny, hf_greedy):
                 "truncated:2": ModelDrafter.truncated(tiny.model, 2, max_batch=4, max_len=64)}
     eng = SpecEngine(LlamaRunner(tiny.model), drafters, max_batch=4, max_len=64, adaptive_gamma=True)
     for draft in ("ngram", "truncated:2"):
-        res = eng.run([Request(f"{draft}{i}", p, SamplingParams(max_tokens=20), draft, 4)
-                       for i, p in enumerate(prompts)])
-        assert [res[f"{draft}{i}"].output for i in range(3)] == [r[:20] for r in refs]
+        res = run(eng, [request(f"{draft}{i}", p, draft, 4, max_tokens=20) for i, p in enumerate(prompts)])
+        assert [res[f"{draft}{i}"].token_ids for i in range(3)] == [r[:20] for r in refs]
     assert eng.gamma_policy.est["truncated:2"].steps > 0

@@ -13,7 +13,7 @@ prompt and that none shares its first 6 words with one (plus a small blocklist
 of held-out topics). Every prompt must be 5-60 words and unique.
 
 Stdlib only and deterministic (fixed seeds, one random.Random per domain), so
-    python cluster/data/make_distill_corpus.py
+    python specd/data/make_distill_corpus.py
 rewrites distill_prompts.jsonl byte-identically.
 """
 

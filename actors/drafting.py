@@ -1,0 +1,105 @@
+"""Asking the drafters: one `Flight` of draft calls for a set of sequences.
+
+`launch` groups sequences by drafter and hands each drafter its rows as `DraftSeq`s
+(the rollback point, the committed tokens it has not seen, γ, the sampling
+parameters, and for feature drafters the target's hidden states). Asynchronous
+drafters (draft replicas) get their calls sent and answer later; the rest propose
+in the calling thread. `Flight.resolve` waits for every answer once and keeps the
+drafts per row.
+
+Does not know: the target, acceptance, or when the drafts are verified (the engine
+verifies at once; micro-batch pipelining verifies a flight one step later).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .drafters.base import Drafter, DraftSeq, Proposal
+from .sequence import Sequence
+
+
+@dataclass(eq=False)
+class Flight:
+    """Draft calls for `seqs`, sent (or, for local drafters, already answered), not verified."""
+    seqs: list[Sequence]
+    waiters: list[tuple[str, list[int], Callable[[], Proposal]]]  # (drafter name, rows, wait)
+    t_launch: float
+    launch_s: float = 0.0  # time in `launch`: local drafting, sending remote calls
+    own_s: dict[str, float] = field(default_factory=dict)  # per drafter: time in its launching call
+    blocked_s: float = 0.0  # an asynchronous-capable drafter called synchronously (plain step)
+    # Filled by `resolve`:
+    drafts: list[list[int]] | None = None  # per row, the proposed tokens
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, V] draft distribution
+    group_s: list[tuple[str, list[int], float]] = field(default_factory=list)  # (drafter, rows, seconds)
+    wait_s: float = 0.0  # blocked on asynchronous answers
+    done_at: float = 0.0
+    error: BaseException | None = None
+
+    def resolve(self) -> None:
+        if self.drafts is not None:
+            return
+        if self.error is not None:
+            raise self.error
+        t0 = time.perf_counter()
+        drafts: list[list[int]] = [[] for _ in self.seqs]
+        try:
+            for name, rows, wait in self.waiters:
+                tg = time.perf_counter()
+                prop = wait()
+                self.group_s.append((name, rows, self.own_s.get(name, 0.0) + time.perf_counter() - tg))
+                for i, b in enumerate(rows):
+                    k = prop.num_draft[i]
+                    drafts[b] = prop.tokens[i, :k].tolist()
+                    if prop.probs is not None and not self.seqs[b].req.sampling.greedy:
+                        self.probs[b] = prop.probs[i, :k]
+        except BaseException as e:
+            self.error = e
+            raise
+        self.waiters = []
+        self.drafts = drafts
+        self.done_at = time.perf_counter()
+        self.wait_s = self.done_at - t0
+
+
+def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter],
+           hidden_buf: torch.Tensor | None, asynchronous: bool) -> Flight:
+    """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none).
+    asynchronous: asynchronous drafters only send their calls; otherwise every drafter
+    proposes now. The drafters' views become committed + drafts (`draft_keep`)."""
+    t0 = time.perf_counter()
+    groups: dict[str, list[int]] = {}
+    for b, s in enumerate(seqs):
+        if gammas[b] > 0:
+            groups.setdefault(s.req.draft, []).append(b)
+    fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0)
+    for name, rows in groups.items():
+        drafter = drafters[name]
+        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf) for b in rows]
+        tg = time.perf_counter()
+        if asynchronous or not drafter.asynchronous:
+            wait = drafter.propose_async(dseqs)
+        else:
+            prop = drafter.propose(dseqs)
+            wait = (lambda prop=prop: prop)
+            fl.blocked_s += time.perf_counter() - tg
+        fl.own_s[name] = time.perf_counter() - tg
+        fl.waiters.append((name, rows, wait))
+    fl.launch_s = time.perf_counter() - t0
+    return fl
+
+
+def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None) -> DraftSeq:
+    p = s.req.sampling
+    ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
+                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed)
+    if wants_hidden:
+        ds.hidden_start = s.hid_sent
+        ds.hidden = hidden_buf[s.slot, s.hid_sent:s.hid_len].clone()  # [n, E]
+        ds.hidden_history = hidden_buf[s.slot, :s.hid_len]  # for a lost drafter's re-prefill
+        s.hid_sent = s.hid_len
+    s.draft_keep = len(s.tokens)  # the drafter's view is now committed + its drafts
+    return ds

@@ -1,0 +1,27 @@
+"""Where the engine's time goes: the batcher's own accounting, cumulative over its life.
+
+Per-request speculation counters are `schema.SpecStats`; this module holds what only
+the batcher sees: target passes and rows, and the split of its wall time between
+verifying, prefilling and drafting (drafting it did or waited for, and, pipelined,
+drafting hidden behind target passes).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class BatcherStats:
+    target_passes: int = 0  # verify passes (prefill passes not counted)
+    rows_verified: int = 0  # sequences over all verify passes
+    pipelined_steps: int = 0
+    prefill_passes: int = 0
+    prefill_tokens: int = 0
+    verify_s: float = 0.0  # target pass + acceptance + commit
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # drafting not hidden behind a target pass
+    draft_wait_s: float = 0.0  # of which: blocked on asynchronous (remote) answers
+    draft_flight_s: float = 0.0  # pipelined: send -> answers in hand; minus the waits = hidden drafting
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,256 @@
+"""One request schema, validated once; the speculation stats, defined once.
+
+A `Request` (prompt token ids + `SamplingParams` + `SpeculationParams`) is what the
+router, the engine, the CLI and the benchmarks all build. `validate(request, limits)`
+checks every field against the serving `Limits` and returns the request with the
+server defaults resolved; a `ValueError` names the field (by its path in the wire
+API, e.g. ``sampling.max_tokens``) and the limit, and becomes INVALID_ARGUMENT
+(HTTP 400) with the same message everywhere.
+
+`SpecStats` are the speculation counters of one request or of many (vLLM's
+convention: drafts, draft tokens, accepted tokens, accepted per position; mean
+accepted length = 1 + accepted / drafts). `Delta` is what a step commits for one
+request, the shape that crosses from the engine to the verifier replica and the
+router; the last one carries the usage and the stats.
+
+Torch-free and Ray-free: the SDK side of the wire (cluster/wire.py) converts
+these to and from the proto.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Mapping
+
+MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
+MAX_REQUEST_ID_BYTES = 128
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range (the proto's uint64)
+NO_DRAFT = "none"  # reserved draft name: speculation off
+ROLES = ("system", "user", "assistant", "tool")
+FINISH_REASONS = ("length", "stop", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters. None = the server's default (resolved by `validate`)."""
+    max_tokens: int | None = None  # tokens to generate, in [1, Limits.max_tokens]
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None  # reproducible sampling; None = random
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SpeculationParams:
+    """How to speculate. Never changes greedy output or the sampled distribution."""
+    draft: str | None = None  # a draft name; None = the server's default draft; "none" = off
+    gamma: int | None = None  # draft tokens per step; None = the draft's default; 0 = off
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
+
+    @property
+    def draft(self) -> str | None:
+        """The draft this (validated) request speculates with, or None when speculation is off."""
+        s = self.speculation
+        return None if not s.gamma or s.draft in (None, NO_DRAFT) else s.draft
+
+    @property
+    def gamma(self) -> int:
+        return self.speculation.gamma or 0 if self.draft is not None else 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts. `drafts` maps each servable draft name to its default γ."""
+    context: int  # prompt + max_tokens must fit
+    max_tokens: int
+    vocab_size: int | None = None  # prompt ids must lie in [0, vocab_size)
+    drafts: Mapping[str, int] = field(default_factory=dict)
+    default_draft: str = NO_DRAFT
+    default_max_tokens: int = 128
+
+    def __post_init__(self):
+        if NO_DRAFT in self.drafts:
+            raise ValueError(f"{NO_DRAFT!r} is reserved (speculation off)")
+        if self.default_draft != NO_DRAFT and self.default_draft not in self.drafts:
+            raise ValueError(f"default draft {self.default_draft!r} is not one of {[NO_DRAFT, *self.drafts]}")
+        if not 1 <= self.max_tokens < self.context:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be in [1, context ({self.context}))")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(req: Request, limits: Limits) -> Request:
+    """Check `req` against `limits`; return a copy with the defaults resolved
+    (max_tokens set; draft and gamma set, draft NO_DRAFT and gamma 0 when speculation is off).
+    Raises ValueError naming the field and the limit."""
+    if not isinstance(req.request_id, str) or len(req.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id must be a string of at most {MAX_REQUEST_ID_BYTES} bytes")
+    ids = req.prompt_ids
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if limits.vocab_size is not None and any(not _is_int(t) or not 0 <= t < limits.vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
+    s = req.sampling
+    max_tokens = limits.default_max_tokens if s.max_tokens is None else s.max_tokens
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens:
+        raise ValueError(f"sampling.max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
+    if len(ids) + max_tokens > limits.context:
+        raise ValueError(f"prompt is {len(ids)} tokens; prompt + sampling.max_tokens ({max_tokens}) must fit "
+                         f"the context of {limits.context} tokens")
+    if not _is_num(s.temperature) or s.temperature < 0:
+        raise ValueError(f"sampling.temperature must be >= 0 (and finite), got {s.temperature}")
+    if not _is_num(s.top_p) or not 0 < s.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if not _is_int(s.top_k) or s.top_k < 0:
+        raise ValueError(f"sampling.top_k must be >= 0, got {s.top_k}")
+    if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
+        raise ValueError(f"sampling.seed must be in [0, {MAX_SEED}], got {s.seed}")
+    stop = tuple(s.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling.stop holds at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if any(not isinstance(x, str) or not x for x in stop):
+        raise ValueError("sampling.stop strings must be non-empty strings")
+    sp = req.speculation
+    draft = limits.default_draft if sp.draft in (None, "") else sp.draft
+    if draft != NO_DRAFT and draft not in limits.drafts:
+        raise ValueError(f"speculation.draft {draft!r} is unknown; available: {[NO_DRAFT, *limits.drafts]}")
+    if sp.gamma is None:
+        gamma = limits.drafts[draft] if draft != NO_DRAFT else 0
+    else:
+        gamma = sp.gamma
+        if not _is_int(gamma) or not 0 <= gamma <= MAX_GAMMA:
+            raise ValueError(f"speculation.gamma must be in [0, {MAX_GAMMA}], got {gamma}")
+    if draft == NO_DRAFT or gamma == 0:
+        draft, gamma = NO_DRAFT, 0
+    return replace(req, prompt_ids=list(ids),
+                   sampling=replace(s, max_tokens=max_tokens, stop=stop),
+                   speculation=SpeculationParams(draft=draft, gamma=gamma))
+
+
+def validate_messages(messages: list) -> list[dict]:
+    """Chat turns as [{"role", "content"}]; raises ValueError naming the bad turn."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].role must be one of {list(ROLES)} with string content, got {m!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+# ---- stats -------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    """Speculation counters, vLLM's convention: mean accepted length = 1 + accepted / drafts.
+
+    `accepted_per_pos[j]` / `drafted_per_pos[j]`: steps that drafted a token at position j,
+    and how many of those accepted it. Times are wall seconds.
+    """
+    drafts: int = 0  # verify steps that had >= 1 draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
+    drafted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
+    target_passes: int = 0  # target verify passes this request took part in
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    COUNTERS = ("drafts", "draft_tokens", "accepted_tokens", "target_passes")
+    TIMES = ("draft_s", "verify_s")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def per_position(self) -> list[float]:
+        """Acceptance rate at each draft position that was drafted at least once."""
+        return [a / d for a, d in zip(self.accepted_per_pos, self.drafted_per_pos) if d]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verify step of one request: `drafted` tokens proposed, the first `accepted` kept."""
+        self.target_passes += 1
+        if drafted:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for j in range(drafted):
+                self.drafted_per_pos[j] += 1
+                self.accepted_per_pos[j] += j < accepted
+
+    def add(self, other: "SpecStats", times: bool = True) -> None:
+        for name in self.COUNTERS + (self.TIMES if times else ()):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for j in range(MAX_GAMMA):
+            self.accepted_per_pos[j] += other.accepted_per_pos[j]
+            self.drafted_per_pos[j] += other.drafted_per_pos[j]
+
+    def to_dict(self) -> dict:
+        """The counters plus the derived rates (what reports and JSON carry)."""
+        return {**asdict(self), "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length,
+                "acceptance_per_position": self.per_position()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SpecStats":
+        known = {k: d[k] for k in cls.COUNTERS + cls.TIMES + ("accepted_per_pos", "drafted_per_pos") if k in d}
+        return cls(**known)
+
+
+@dataclass
+class Delta:
+    """What one step committed for one request: a stream message. The last one of a request
+    has `finish_reason` set and carries the usage and the speculation stats."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "length" | "stop" | "abort" on the last delta
+    prompt_tokens: int = 0  # last delta only
+    completion_tokens: int = 0  # last delta only
+    stats: SpecStats | None = None  # last delta only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A finished request: every delta joined."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    stats: SpecStats
+
+    @classmethod
+    def join(cls, deltas: list[Delta]) -> "Completion":
+        last = deltas[-1]
+        assert last.finished, "the last delta must finish the request"
+        return cls(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+                   last.finish_reason, last.prompt_tokens, last.stats or SpecStats())

@@ -1,0 +1,169 @@
+"""The verifier replica: the target model and the continuous batcher (large-accelerator pool).
+
+A thread steps the engine; requests join at step boundaries and leave the moment they
+finish, are cancelled or run out of time, freeing their KV here and on their draft.
+Each `generate` call is one subscription: the engine keys sequences by its own key, so
+callers that reuse a request id never meet. A request's time limit arrives as a duration
+(seconds remaining when the router sent it) and becomes a deadline on this host's
+monotonic clock, so clocks that differ between hosts cannot expire or extend it.
+
+The verifier's engine is the source of truth for committed tokens.
+Does not know: gRPC, tokenization or coalescing (the router's job).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from actors.build import build_engine, spec_wants_hidden
+from actors.schema import Request
+
+from .config import ClusterConfig
+from .draft_server import RemoteDrafter
+from .serve import node_id, replica_id
+
+log = logging.getLogger("specd")
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One generate call: where its deltas go, and its engine key once admitted."""
+    request: Request
+    timeout_s: float | None
+    loop: asyncio.AbstractEventLoop
+    inbox: asyncio.Queue
+    key: int | None = None
+    deadline: float | None = None
+
+
+class VerifierServer:
+    def __init__(self, config: dict, draft_handles: dict | None = None):
+        cfg = ClusterConfig.model_validate(config)
+        v = cfg.verifier
+        torch.set_num_threads(v.torch_threads)
+        local = {d.name: d.spec for d in cfg.drafts if not d.remote}
+        specs = {d.name: d.spec for d in cfg.drafts}
+        remote = {name: RemoteDrafter(handle, name, wants_hidden=spec_wants_hidden(specs.get(name, "")))
+                  for name, handle in (draft_handles or {}).items()}
+        built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
+                             adaptive_gamma=v.adaptive_gamma, extra_drafters=remote, pipeline=v.pipeline,
+                             prefill_chunk=v.prefill_chunk,
+                             default_gamma={d.name: d.default_gamma for d in cfg.drafts},
+                             seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
+        self.engine = built.engine
+        self.replica = replica_id()
+        self.node = node_id()
+        self.inbox: queue.Queue = queue.Queue()
+        self.tickets: dict[int, _Ticket] = {}  # engine key -> subscription
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="specd-batcher", daemon=True)
+        self._thread.start()
+
+    # ---- called by the router (async, on the replica's event loop) ----------------------------
+    async def generate(self, request: Request, timeout_s: float | None = None):
+        """Stream one request's `Delta`s; `timeout_s`: seconds it may still run (None: no limit)."""
+        t = _Ticket(request, timeout_s, asyncio.get_running_loop(), asyncio.Queue())
+        self.inbox.put(("add", t))
+        finished = False
+        try:
+            while True:
+                item = await t.inbox.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # cancelled by the caller: free the KV here and on the draft
+                self.inbox.put(("abort", t))
+
+    async def set_pipeline(self, on: bool) -> dict:
+        """Turn pipelining on or off on this replica at run time (it applies at the next step
+        boundary; draft calls already in flight are verified first). Returns stats()."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.inbox.put(("pipeline", (bool(on), loop, done)))
+        await done
+        return await self.stats()
+
+    async def stats(self) -> dict:
+        eng = self.engine
+        return {"replica_id": self.replica, "role": "verifier", "node_id": self.node,
+                "active_sequences": eng.kv_slots_in_use(), "queued": eng.num_waiting(),
+                "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.steps,
+                "spec": eng.stats.to_dict(), "pipeline": eng.pipeline, "batcher": eng.batcher.to_dict(),
+                "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
+                                  if isinstance(d, RemoteDrafter)}}
+
+    async def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the batcher thread died")
+
+    # ---- the batcher thread ------------------------------------------------------------------------
+    @staticmethod
+    def _deliver(t: _Ticket, item) -> None:
+        t.loop.call_soon_threadsafe(t.inbox.put_nowait, item)
+
+    def _drop(self, t: _Ticket) -> None:
+        if t.key is not None:
+            self.engine.abort(t.key)
+            self.tickets.pop(t.key, None)
+
+    def _handle(self, op: str, arg) -> None:
+        if op == "add":
+            try:
+                arg.key = self.engine.add_request(arg.request)
+            except ValueError as e:
+                self._deliver(arg, e)
+                return
+            if arg.timeout_s is not None:
+                arg.deadline = time.monotonic() + arg.timeout_s
+            self.tickets[arg.key] = arg
+        elif op == "abort":
+            self._drop(arg)
+        elif op == "pipeline":
+            on, loop, fut = arg
+            self.engine.set_pipeline(on)
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            block = not eng.has_work()
+            try:
+                while True:  # requests join (and leave) at step boundaries
+                    op, arg = self.inbox.get(block=block)
+                    block = False
+                    self._handle(op, arg)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for t in [t for t in self.tickets.values() if t.deadline is not None and now > t.deadline]:
+                self._drop(t)
+                self._deliver(t, TimeoutError(f"request {t.request.request_id!r} ran past its deadline"))
+            if not eng.has_work():
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # never let one bad step kill the replica silently
+                log.exception("engine step failed")
+                for t in list(self.tickets.values()):
+                    self._drop(t)
+                    self._deliver(t, RuntimeError(f"engine step failed: {e}"))
+                continue
+            self.steps += 1
+            for key, delta in outs.items():
+                t = self.tickets.get(key)
+                if t is None:
+                    continue
+                if delta.finished:
+                    del self.tickets[key]
+                self._deliver(t, delta)

@@ -1,0 +1,48 @@
+"""The wire API (protos/specd.proto) to and from the request schema (actors/schema.py).
+
+The one place where proto messages meet the data plane's dataclasses: a
+GenerateRequest becomes schema parameters (presence respected: an unset field
+stays None, so `schema.validate` applies the server default), and a `Delta` or
+`SpecStats` becomes a response message. The SDK keeps its own decoding (it imports
+only grpcio and protobuf).
+"""
+from __future__ import annotations
+
+from actors.schema import Delta, SamplingParams, SpecStats, SpeculationParams
+from protos import specd_pb2
+
+FINISH = {"length": specd_pb2.FINISH_REASON_LENGTH, "stop": specd_pb2.FINISH_REASON_STOP,
+          "abort": specd_pb2.FINISH_REASON_ABORT}
+
+
+def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else 0.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop))
+
+
+def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:
+    return SpeculationParams(draft=sp.draft or None, gamma=sp.gamma if sp.HasField("gamma") else None)
+
+
+def stats_to_proto(st: SpecStats) -> specd_pb2.SpecStats:
+    msg = specd_pb2.SpecStats(drafts=st.drafts, draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens,
+                              acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
+                              target_passes=st.target_passes, draft_seconds=st.draft_s,
+                              verify_seconds=st.verify_s)
+    msg.acceptance_per_position.extend(st.per_position())
+    return msg
+
+
+def delta_to_proto(d: Delta, request_id: str, coalesced: bool) -> specd_pb2.GenerateResponse:
+    """One stream message (or, with every delta joined, the unary answer)."""
+    r = specd_pb2.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids, coalesced=coalesced)
+    if d.finished:
+        r.finish_reason = FINISH[d.finish_reason]
+        r.usage.prompt_tokens = d.prompt_tokens
+        r.usage.completion_tokens = d.completion_tokens
+        if d.stats is not None:
+            r.spec_stats.CopyFrom(stats_to_proto(d.stats))
+    return r

@@ -1,0 +1,29 @@
+"""The committed prompt sets.
+
+  prompts.jsonl          the benchmark prompts (20 chat, 18 code); held out of every draft's training
+  distill_prompts.jsonl  the distillation corpus (chat, code, math; `make_distill_corpus.py` rebuilds it)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE / "prompts.jsonl"
+DISTILL_CORPUS = HERE / "distill_prompts.jsonl"
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    """JSONL: one object per line with "prompt": str or "messages": [{"role", "content"}]."""
+    path = Path(path or PROMPTS)
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        if ("prompt" in obj) == ("messages" in obj):
+            raise ValueError(f"{path}:{i + 1}: each line needs exactly one of 'prompt' or 'messages'")
+        out.append(obj)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out

@@ -1,0 +1,126 @@
+"""Pipelining over real Ray Serve and real gRPC (tiny models): a remote truncated draft replica;
+`verifier.pipeline: true` in the config and `set_pipeline` on the Verifier deployment through a
+Serve handle at run time; concurrent requests of different lengths give the same tokens with
+pipelining on and off and as the target alone; cancelling a stream mid-flight frees its KV on the
+verifier and on the draft replica. (The engine-level tests: tests/unit/test_pipeline.py.)
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+
+# --------------------------------------------------------------------------- #
+# The cluster: real Ray Serve, real gRPC, a remote draft replica
+# --------------------------------------------------------------------------- #
+DRAFT = "truncated:2"
+C_PROMPTS = ["5 6 7 8 9", "11 12 13 14", "100 200 300", "42 43 44 45 46 47", "7 77 177", "300 301"]
+C_MAX = [48, 12, 30, 64, 20, 40]
+C_DRAFTS = [DRAFT, DRAFT, DRAFT, DRAFT, "ngram", "none"]
+ADDRESS: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster):
+    cfg = {
+        "model": "tiny", "dtype": "fp32", "max_len": 512, "grpc_port": 0, "http_port": 0,
+        "router": {"max_queue": 32, "max_tokens": 256, "default_max_tokens": 16, "coalesce": False,
+                   "default_draft": DRAFT},
+        "verifier": {"max_batch": 8, "pipeline": True, "resources": {"custom": {"large_accel": 1}}},
+        "drafts": [{"name": "ngram", "spec": "ngram"},
+                   {"name": DRAFT, "spec": DRAFT, "max_batch": 16, "resources": {"custom": {"small_accel": 1}}}]}
+    addr, client = start_cluster(cfg, timeout=90)
+    ADDRESS.append(addr)
+    return client
+
+
+@pytest.fixture(scope="module")
+def verifier(cluster):
+    from ray import serve
+
+    return serve.get_deployment_handle("Verifier", app_name="specd")
+
+
+def _burst(client) -> list[list[int]]:
+    """All C_PROMPTS at once, streamed; tokens per request."""
+    def one(i):
+        return [t for c in client.stream(prompt=C_PROMPTS[i], max_tokens=C_MAX[i], draft=C_DRAFTS[i], gamma=3)
+                for t in c.token_ids]
+    with cf.ThreadPoolExecutor(len(C_PROMPTS)) as ex:
+        return list(ex.map(one, range(len(C_PROMPTS))))
+
+
+def test_cluster_pipelined_greedy_same_on_off_and_target_alone(cluster, verifier, tiny, hf_greedy):
+    refs = [hf_greedy(tiny.model, [int(t) for t in p.split()], n) for p, n in zip(C_PROMPTS, C_MAX)]
+    st0 = verifier.stats.remote().result()
+    assert st0["pipeline"] is True  # verifier.pipeline from the config
+    on = _burst(cluster)
+    st1 = verifier.stats.remote().result()
+    assert on == refs
+    assert st1["batcher"]["pipelined_steps"] > st0["batcher"]["pipelined_steps"]
+    assert st1["remote_drafts"][DRAFT]["calls"] > st0["remote_drafts"][DRAFT]["calls"]
+
+    assert verifier.set_pipeline.remote(False).result()["pipeline"] is False  # at run time, same cluster
+    try:
+        off = _burst(cluster)
+        st2 = verifier.stats.remote().result()
+        assert off == refs
+        assert st2["batcher"]["pipelined_steps"] == st1["batcher"]["pipelined_steps"]
+        assert st2["batcher"]["target_passes"] > st1["batcher"]["target_passes"]
+    finally:
+        assert verifier.set_pipeline.remote(True).result()["pipeline"] is True
+    assert _burst(cluster) == refs
+
+
+def test_cluster_cancel_mid_stream_with_pipelining_frees_kv_both_sides(cluster, verifier):
+    assert verifier.stats.remote().result()["pipeline"] is True
+    # Two long streams, so both micro-batches hold a sequence; cancel one mid-stream.
+    other_out: list[int] = []
+
+    def other():
+        other_out.extend(t for c in cluster.stream(prompt="9 8 7 6", max_tokens=120, draft=DRAFT, gamma=2)
+                         for t in c.token_ids)
+    th = threading.Thread(target=other, daemon=True)
+    th.start()
+    it = cluster.stream(prompt="1 2 3 4 5", max_tokens=250, draft=DRAFT, gamma=3)
+    first = next(it)
+    assert first.token_ids and first.finish_reason is None
+    it.close()  # client cancellation
+    th.join(60)
+    assert len(other_out) > 0
+    end = time.time() + 20
+    while True:
+        reps = cluster.stats().replicas
+        if reps and all(r.kv_slots_in_use == 0 for r in reps):
+            break
+        assert time.time() < end, f"KV still held: {reps}"
+        time.sleep(0.2)
+    assert {r.role for r in reps} == {"verifier", "draft"}
+    st = verifier.stats.remote().result()
+    assert st["active_sequences"] == 0 and st["kv_slots_in_use"] == 0
+
+
+def test_bench_pipeline_compare_report(cluster, verifier, tmp_path):
+    """`specd bench --pipeline-compare`'s measurement against this cluster: shape and sanity only."""
+    import json
+
+    from specd.bench.cluster import pipeline_compare, render_pipeline
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in C_PROMPTS[:3]))
+    rep = pipeline_compare(ADDRESS[0], (2, 3), DRAFT, 3, 10, prompts, 3, rounds=2, progress=False,
+                           match_niceness=False)
+    assert [(r["concurrency"], r["pipeline"]) for r in rep["results"]] == [(2, False), (2, True), (3, False),
+                                                                            (3, True)]
+    for r in rep["results"]:
+        assert r["rounds"] == 2 and r["tokens"] > 0 and r["tokens_per_s"] > 0
+        b = r["batcher"]
+        assert b["target_passes"] > 0 and b["draft_calls"] > 0 and b["draft_replica_busy_s"] > 0
+        assert (b["pipelined_steps"] > 0) == r["pipeline"]
+        assert 0 <= r["time_share"]["draft_wait"] <= r["time_share"]["draft_exposed"] <= 1
+    assert set(rep["ratios"]) == {"c2", "c3"} and rep["greedy_agreement_on_vs_off"] == {"c2": 1.0, "c3": 1.0}
+    assert set(rep["greedy_agreement_across_rounds"].values()) == {1.0}  # fp32
+    assert "pipelining on/off tokens/s" in render_pipeline(rep)
+    assert verifier.stats.remote().result()["pipeline"] is True  # the cluster's setting is restored

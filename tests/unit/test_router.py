@@ -1,0 +1,163 @@
+"""The router without Ray: the real `Router` over a fake verifier handle that streams from a real
+in-process engine (tiny model), driven with real proto messages.
+
+  * validation is the request schema's: INVALID_ARGUMENT carries exactly the message the engine
+    raises for the same request;
+  * the time a request has left crosses to the verifier as a duration, never as a wall-clock
+    deadline (regression: an absolute time.time() deadline, wrong under clock skew);
+  * prompts are tokenized off the event loop;
+  * two in-flight requests with the same request_id each get their own output.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from actors.engine import SpecEngine
+from actors.drafters import NgramDrafter
+from actors.llama import LlamaRunner
+from actors.schema import Request
+from cluster.config import ClusterConfig
+from cluster.router import Router, RpcError
+from protos import specd_pb2
+from specd_client import build_request
+
+CONFIG = {"model": "tiny", "dtype": "fp32", "max_len": 128,
+          "router": {"max_queue": 8, "max_tokens": 32, "default_max_tokens": 8, "coalesce": True,
+                     "default_draft": "ngram"},
+          "drafts": [{"name": "ngram", "spec": "ngram", "default_gamma": 3}]}
+
+
+class FakeVerifier:
+    """`handle.options(stream=True).generate.remote(req, timeout_s)` -> an async stream of the
+    engine's deltas for that request; records what it was called with."""
+
+    def __init__(self, engine: SpecEngine):
+        self.engine, self.calls = engine, []
+        self.generate = self
+        self.pending: dict[int, list] = {}  # key -> deltas stepped out but not yet streamed
+
+    def options(self, **_):
+        return self
+
+    def remote(self, req: Request, timeout_s=None):
+        self.calls.append((req, timeout_s))
+        return self._stream(req)
+
+    async def _stream(self, req: Request):
+        key = self.engine.add_request(req)
+        self.pending[key] = []
+        while True:
+            if not self.pending[key]:
+                for k, d in self.engine.step().items():
+                    self.pending[k].append(d)
+            while self.pending[key]:
+                d = self.pending[key].pop(0)
+                yield d
+                if d.finished:
+                    return
+            await asyncio.sleep(0)
+
+
+class Context:
+    def __init__(self, remaining=None):
+        self.remaining, self.code, self.details = remaining, None, None
+
+    def time_remaining(self):
+        return self.remaining
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+@pytest.fixture
+def router(tiny):
+    eng = SpecEngine(LlamaRunner(tiny.model), {"ngram": NgramDrafter()}, max_batch=4, max_len=128,
+                     default_gamma={"ngram": 3})
+    return Router(CONFIG, FakeVerifier(eng))
+
+
+def generate(router, req_pb, ctx=None):
+    async def go():
+        return [d async for d, _ in router._stream(req_pb, ctx or Context())]
+    return asyncio.run(go())
+
+
+BAD = [dict(prompt="1 2 3", max_tokens=0), dict(prompt="1 2 3", max_tokens=33), dict(prompt="1 2 3", top_p=2.0),
+       dict(prompt="1 2 3", temperature=-1.0), dict(prompt="1 2 3", draft="nope"),
+       dict(prompt="1 2 3", draft="ngram", gamma=17), dict(prompt="1 2 3", top_k=-2)]
+
+
+@pytest.mark.parametrize("kw", BAD, ids=lambda kw: "-".join(k for k in kw if k != "prompt"))
+def test_invalid_argument_message_is_the_engine_s(router, kw):
+    with pytest.raises(RpcError) as ei:
+        generate(router, build_request(**kw))
+    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    # The same request, built by hand for the engine with the router's limits, fails identically.
+    from actors.schema import SamplingParams, SpeculationParams, validate
+    r = build_request(**kw)
+    req = Request("x", [1, 2, 3], SamplingParams(max_tokens=r.sampling.max_tokens if r.sampling.HasField("max_tokens")
+                                                 else None, temperature=r.sampling.temperature, top_k=r.sampling.top_k,
+                                                 top_p=r.sampling.top_p if r.sampling.HasField("top_p") else 1.0),
+                  SpeculationParams(r.speculation.draft or None,
+                                    r.speculation.gamma if r.speculation.HasField("gamma") else None))
+    with pytest.raises(ValueError) as ve:
+        validate(req, ClusterConfig.model_validate(CONFIG).limits())
+    assert str(ve.value) == ei.value.details
+
+
+def test_time_left_crosses_as_a_duration(router):
+    out = generate(router, build_request(prompt="5 6 7 8", max_tokens=6), Context(remaining=7.5))
+    assert out[-1].finished
+    req, timeout_s = router.verifier.calls[-1]
+    assert timeout_s == 7.5  # seconds left, to be added to the verifier's own clock
+    assert not any("deadline" in str(v) for v in vars(req).values())
+
+
+def test_prompts_are_tokenized_off_the_event_loop(tiny):
+    threads = []
+
+    class Tok:  # records the thread it runs on; stands in for a slow tokenizer
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=False):
+            threads.append(threading.current_thread())
+            return [int(t) for t in text.split()]
+
+    eng = SpecEngine(LlamaRunner(tiny.model), {"ngram": NgramDrafter()}, max_batch=4, max_len=128)
+    r = Router(CONFIG, FakeVerifier(eng))
+    r.tokenizer = Tok()
+
+    async def go():
+        loop_thread = threading.current_thread()
+        req = await r.validate(build_request(prompt="5 6 7"))
+        return loop_thread, req
+    loop_thread, req = asyncio.run(go())
+    assert req.prompt_ids == [5, 6, 7] and threads and threads[0] is not loop_thread
+
+
+def test_same_request_id_twice_in_flight(router, tiny, hf_greedy):
+    async def both():
+        a = build_request(prompt="5 6 7 8", max_tokens=12, request_id="dup")
+        b = build_request(prompt="9 10 11", max_tokens=12, request_id="dup")
+
+        async def one(pb):
+            return [t for d, _ in [x async for x in router._stream(pb, Context())] for t in d.token_ids]
+        return await asyncio.gather(one(a), one(b))
+    a, b = asyncio.run(both())
+    assert a == hf_greedy(tiny.model, [5, 6, 7, 8], 12, eos=None)
+    assert b == hf_greedy(tiny.model, [9, 10, 11], 12, eos=None)
+
+
+def test_wire_conversion_keeps_presence(router):
+    """An unset field stays unset until the schema applies the server default."""
+    req = asyncio.run(router.validate(specd_pb2.GenerateRequest(prompt="4 5 6")))
+    assert req.sampling.max_tokens == 8 and req.speculation.draft == "ngram" and req.speculation.gamma == 3
+    req = asyncio.run(router.validate(build_request(prompt="4 5 6", gamma=0, max_tokens=3)))
+    assert req.sampling.max_tokens == 3 and req.draft is None and req.gamma == 0
