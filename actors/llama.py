@@ -63,9 +63,6 @@ class KVCache:
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
 
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
 
 class LlamaRunner:
     """A llama-family decoder (optionally only its first `num_layers` layers).

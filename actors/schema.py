@@ -28,7 +28,6 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range (the proto's uint64)
 NO_DRAFT = "none"  # reserved draft name: speculation off
 ROLES = ("system", "user", "assistant", "tool")
-FINISH_REASONS = ("length", "stop", "abort")
 
 
 @dataclass

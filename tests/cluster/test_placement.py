@@ -44,3 +44,30 @@ def test_drafts_on_small_pool_verifier_on_large_pool(nodes):
     seen = {draft.stats.remote().result()["replica_id"]: draft.stats.remote().result()["node_id"]
             for _ in range(8)}
     assert set(seen.values()) == {small}
+
+
+def test_pinned_routing_keeps_each_sequence_on_its_draft_replica(nodes):
+    """cluster/routing.py's PinnedRouter: with two draft replicas and several sequences drafting
+    concurrently, every call after a sequence's first lands on the replica holding its draft
+    KV, so no sequence is ever re-synced, and both replicas serve. (Serve's default router,
+    power of two choices, sends about half the calls elsewhere: resyncs > 0.)"""
+    import concurrent.futures as cf
+
+    addr, _, _ = nodes
+    verifier = serve.get_deployment_handle("Verifier", app_name="specd")
+    before = verifier.stats.remote().result()["remote_drafts"]["truncated:2"]
+    prompts = [f"{5 + i} {6 + i} {7 + i} {8 + i}" for i in range(4)]
+    with SpecdClient(addr, timeout=120) as client:
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            out = list(ex.map(lambda p: client.generate(prompt=p, max_tokens=16, draft="truncated:2", gamma=2),
+                              prompts))
+    assert all(len(r.token_ids) == 16 and r.spec_stats["draft_tokens"] > 0 for r in out)
+    after = verifier.stats.remote().result()["remote_drafts"]["truncated:2"]
+    assert after["calls"] - before["calls"] >= 8
+    assert after["resyncs"] == before["resyncs"]  # no call went to a replica without the sequence's state
+    draft = serve.get_deployment_handle("Draft-truncated-2", app_name="specd")
+    calls = {}
+    for _ in range(12):
+        st = draft.stats.remote().result()
+        calls[st["replica_id"]] = st["calls"]
+    assert len(calls) == 2 and all(n > 0 for n in calls.values())
