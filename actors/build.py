@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .calibrate import PassCost, calibrated, choose_dtype, hardware
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
@@ -46,6 +47,16 @@ def draft_meta(spec: str) -> dict | None:
     except ValueError:
         return None
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def draft_kind(spec: str) -> str:
+    """"ngram", "truncated", "eagle" or "model": what a draft spec is, without loading it."""
+    if spec == "ngram" or spec.startswith("ngram:"):
+        return "ngram"
+    if spec.startswith("truncated:"):
+        return "truncated"
+    meta = draft_meta(spec)
+    return "eagle" if meta and meta.get("kind") == "eagle" else "model"
 
 
 def spec_wants_hidden(spec: str) -> bool:
@@ -109,17 +120,42 @@ class Built:
     engine: SpecEngine
     target: LoadedModel
     drafters: dict[str, Drafter]
+    dtype: str  # what the target runs in ("bf16" or "fp32"), chosen when "auto" was asked for
+    dtype_reason: str
 
 
-def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "bf16",
+DTYPE_CHOICES = ("auto", "bf16", "fp32")
+
+
+def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu",
+                calibrate: bool = True) -> tuple[LoadedModel, PassCost | None, str, str]:
+    """The target in its dtype, with its calibrated pass cost. dtype "auto": measure bf16 and
+    fp32 on this hardware (cached per hardware and model, see calibrate.py) and keep the one
+    that decodes fastest per token at `max_batch` rows. Never a lossy (quantized) target.
+    Returns (model, pass cost or None, dtype, why)."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        target = load_model(model, dtype, device)
+        cost = calibrated(LlamaRunner(target.model), target.name, max_batch, device) if calibrate else None
+        return target, cost, dtype, f"{dtype}: as configured"
+    costs, loaded = {}, {}
+    for dt in ("bf16", "fp32"):
+        t = load_model(model, dt, device)
+        costs[dt] = calibrated(LlamaRunner(t.model), t.name, max_batch, device)
+        loaded[dt] = t
+    best, why = choose_dtype(costs, max_batch)
+    return loaded[best], costs[best], best, why
+
+
+def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "auto",
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
-                 adaptive_gamma: bool = False, extra_drafters: dict[str, Drafter] | None = None,
-                 seq_id_base: int = 0, pipeline: bool = False, prefill_chunk: int = 512,
-                 default_gamma: dict[str, int] | None = None) -> Built:
+                 extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
+                 prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None) -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
-    The rest as `SpecEngine` takes them."""
-    target = load_model(model, dtype, device)
+    dtype: "auto" (see `load_target`), "bf16" or "fp32". The rest as `SpecEngine` takes them."""
+    target, cost, dt, why = load_target(model, dtype, max_batch, device)
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
     drafters: dict[str, Drafter] = {}
@@ -130,6 +166,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     drafters.update(extra_drafters or {})
     engine = SpecEngine(LlamaRunner(target.model), drafters, tokenizer=target.tokenizer,
                         eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
-                        adaptive_gamma=adaptive_gamma, seq_id_base=seq_id_base, pipeline=pipeline,
-                        prefill_chunk=prefill_chunk, default_gamma=default_gamma)
-    return Built(engine, target, drafters)
+                        seq_id_base=seq_id_base, pipeline=pipeline, prefill_chunk=prefill_chunk,
+                        default_gamma=default_gamma, pass_cost=cost)
+    engine.info.update(dtype=dt, dtype_reason=why, hardware=hardware(device))
+    return Built(engine, target, drafters, dt, why)

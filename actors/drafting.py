@@ -38,6 +38,7 @@ class Flight:
     wait_s: float = 0.0  # blocked on asynchronous answers
     done_at: float = 0.0
     error: BaseException | None = None
+    shadow: list[bool] = field(default_factory=list)  # per row: drafts proposed but not to be verified
 
     def resolve(self) -> None:
         if self.drafts is not None:
@@ -95,7 +96,7 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
 def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None) -> DraftSeq:
     p = s.req.sampling
     ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
-                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed)
+                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled)
     if wants_hidden:
         ds.hidden_start = s.hid_sent
         ds.hidden = hidden_buf[s.slot, s.hid_sent:s.hid_len].clone()  # [n, E]

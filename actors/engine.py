@@ -29,14 +29,15 @@ from collections import deque
 
 import torch
 
+from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Flight, launch
-from .gamma import AdaptiveGamma, PassCost
 from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
-from .sampling import process_logits, sample, verify_greedy, verify_sampled
-from .schema import MAX_GAMMA, Completion, Delta, Limits, Request, SpecStats, validate
+from .policy import SpeculationPolicy
+from .sampling import coupled_scores, gumbel_noise, process_logits, sample, verify_greedy, verify_sampled
+from .schema import AUTO, Completion, Delta, Limits, Request, SpecStats, validate
 from .sequence import Sequence
 from .text import TextStream
 
@@ -46,16 +47,16 @@ class SpecEngine:
 
     def __init__(self, target: LlamaRunner, drafters: dict[str, Drafter] | None = None,
                  tokenizer=None, eos_token_ids: set[int] | None = None,
-                 max_batch: int = 8, max_len: int = 2048, adaptive_gamma: bool = False,
-                 seq_id_base: int = 0, pipeline: bool = False, prefill_chunk: int = 512,
-                 default_gamma: dict[str, int] | None = None):
+                 max_batch: int = 8, max_len: int = 2048, seq_id_base: int = 0, pipeline: bool = False,
+                 prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
+                 pass_cost: PassCost | None = None):
         """max_len: context (prompt + output) per sequence.
-        adaptive_gamma: treat each request's γ as a maximum and pick the draft length per
-        step for goodput (see gamma.py); off = every request drafts its own γ.
         seq_id_base: first sequence key (keys must be distinct per engine on shared drafters).
         pipeline: overlap asynchronous drafters with target passes over two micro-batches.
         prefill_chunk: prompt tokens prefilled per step, over all admitted prompts.
-        default_gamma: γ per drafter name for requests that leave it unset (default 4)."""
+        default_gamma: γ per drafter name for requests that leave it unset ("auto" unless given).
+        pass_cost: the target's calibrated pass cost (calibrate.calibrated); measured here when
+        absent and there are drafters (the speculation policy needs it)."""
         self.target = target
         self.drafters = dict(drafters or {})
         self.tokenizer = tokenizer
@@ -66,7 +67,7 @@ class SpecEngine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
-        gammas = {name: (default_gamma or {}).get(name, 4) for name in self.drafters}
+        gammas = {name: (default_gamma or {}).get(name, AUTO) for name in self.drafters}
         self.limits = Limits(context=max_len, max_tokens=max_len - 1, vocab_size=target.vocab_size, drafts=gammas)
         self.cache = target.new_cache(max_batch, max_len + KV_HEADROOM)
         self.waiting: deque[tuple[int, Request]] = deque()
@@ -75,8 +76,13 @@ class SpecEngine:
         self.stats = SpecStats()  # counts: finished requests; times: every step's wall time
         self.batcher = BatcherStats()
         self._next_key = seq_id_base
-        self.adaptive_gamma = adaptive_gamma
-        self._policy: AdaptiveGamma | None = None  # built on first use (measures the pass cost)
+        if pass_cost is None and self.drafters:
+            with torch.inference_mode():
+                pass_cost = measure(target, max_batch, reps=1)
+        self.pass_cost = pass_cost
+        self.policy = SpeculationPolicy(pass_cost) if pass_cost is not None else None
+        self._noise_gen = torch.Generator(device=target.device)  # coupled sampling, re-seeded per position
+        self.info: dict = {"dtype": str(target.dtype).replace("torch.", "")}  # what it runs on, and why
         # Target hidden states of committed tokens, per slot, for feature-level drafters
         # (EAGLE heads): they reach the drafter with the rollback information.
         self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, target.hidden_size, dtype=target.dtype)
@@ -92,15 +98,6 @@ class SpecEngine:
         """Turn pipelining on or off between steps. Turning it off sends no new asynchronous
         draft calls; those in flight are verified by the next steps, then steps are plain."""
         self.micro.on = bool(on)
-
-    def set_adaptive_gamma(self, on: bool) -> None:
-        self.adaptive_gamma = bool(on)
-
-    @property
-    def gamma_policy(self) -> AdaptiveGamma:
-        if self._policy is None:
-            self._policy = AdaptiveGamma(PassCost.measure(self.target, self.max_batch * (MAX_GAMMA + 1)))
-        return self._policy
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, req: Request) -> int:
@@ -224,7 +221,10 @@ class SpecEngine:
     def _sample_one(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """logits [B, V] -> one token per row (greedy argmax, or a draw from the processed target)."""
         toks = logits.argmax(-1)  # [B]
-        rows = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy]
+        coupled = [b for b, s in enumerate(seqs) if s.req.coupled]
+        if coupled:
+            toks[coupled] = self._coupled_scores(logits[coupled, None], [seqs[b] for b in coupled], 1)[:, 0].argmax(-1)
+        rows = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy and not s.req.coupled]
         if rows:
             p = self._process(logits[rows], [seqs[b] for b in rows])  # [Bs, V]
             toks[rows] = sample(p, [seqs[b].gen for b in rows])
@@ -244,7 +244,8 @@ class SpecEngine:
         fl = self.launch_drafts(seqs, asynchronous=False)
         fl.resolve()
         t1 = time.perf_counter()
-        self.verify(seqs, fl.drafts, fl.probs, fl.group_s, [t1 - t0] * len(seqs), outputs)
+        drafts = self.set_aside_shadows(seqs, fl.drafts, fl.shadow)
+        self.verify(seqs, drafts, fl.probs, fl.group_s, [t1 - t0] * len(seqs), outputs)
         self.stats.draft_s += t1 - t0
         self.batcher.draft_s += t1 - t0
         self.batcher.draft_wait_s += fl.blocked_s + fl.wait_s
@@ -255,23 +256,36 @@ class SpecEngine:
         return s.req.draft is not None and self.drafters[s.req.draft].asynchronous
 
     def launch_drafts(self, seqs: list[Sequence], asynchronous: bool) -> Flight:
-        """Choose each row's γ (the request's, capped by what it may still emit, and by the
-        adaptive policy when on) and ask the drafters (see `drafting.launch`)."""
-        gammas = [min(s.req.gamma, self._room(s)) for s in seqs]
-        if self.adaptive_gamma:
-            groups: dict[str, list[int]] = {}
-            for b, s in enumerate(seqs):
-                if gammas[b] > 0:
-                    groups.setdefault(s.req.draft, []).append(b)
-            for name, rows in groups.items():
-                g = self.gamma_policy.choose(name, max(gammas[b] for b in rows), len(rows), len(seqs) - len(rows))
-                for b in rows:
-                    gammas[b] = min(gammas[b], g)
+        """Choose each row's γ (fixed, or by the speculation policy; never past what the request
+        may still emit), mark shadow drafts for rows whose auto drafter is off, and ask the
+        drafters (`drafting.launch`)."""
+        rows = [(s.req.draft, min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
+        gammas = self.policy.choose(rows) if self.policy is not None else [cap for _, cap, _ in rows]
+        shadow = [False] * len(seqs)
+        if self.policy is not None:
+            wants: dict[str, bool] = {}
+            for b, (s, (d, cap, auto)) in enumerate(zip(seqs, rows)):
+                if auto and gammas[b] == 0 and cap > 0 and s.shadow is None:
+                    if d not in wants:
+                        wants[d] = self.policy.wants_shadow(d, free=self.drafters[d].free_drafting)
+                    if wants[d]:
+                        gammas[b], shadow[b] = cap, True
         fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous)
+        fl.shadow = shadow
         if asynchronous:
             for s in seqs:
                 s.flight = fl
         return fl
+
+    def set_aside_shadows(self, seqs: list[Sequence], drafts: list[list[int]], shadow: list[bool]) -> list[list[int]]:
+        """Shadow drafts are not verified: each is kept on its sequence, to be compared with the
+        tokens the target commits next (`_resolve_shadow`). Returns the drafts to verify."""
+        out = []
+        for s, d, sh in zip(seqs, drafts, shadow):
+            if sh and d:
+                s.shadow = (len(s.tokens), d)
+            out.append([] if sh else d)
+        return out
 
     def _room(self, s: Sequence) -> int:
         """Draft no further than the tokens the request may still emit."""
@@ -300,17 +314,24 @@ class SpecEngine:
         logits = self.target.logits(hidden).float()  # [B, G+1, V]
 
         n_acc, out = verify_greedy(logits, draft_t, num_draft)  # [B], [B, G+1]
-        sampled = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy]
+        coupled = [b for b, s in enumerate(seqs) if s.req.coupled]
+        if coupled:  # seeded: exact matching on log p + g (the tokens depend on seed and position only)
+            scores = self._coupled_scores(logits[coupled], [seqs[b] for b in coupled], G + 1)  # [Bc, G+1, V]
+            n_acc[coupled], out[coupled] = verify_greedy(scores, draft_t[coupled], num_draft[coupled])
+        sampled = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy and not s.req.coupled]
         if sampled:
             self._verify_sampled(seqs, sampled, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out)
         t2 = time.perf_counter()
 
         # Roll back and commit.
         n_acc_l, out_l = n_acc.tolist(), out.tolist()
-        if self.adaptive_gamma:
+        if self.policy is not None:
+            self.policy.observe_pass(B, G + 1, t2 - t1)
             for name, rows, sec in group_s:
+                rows = [b for b in rows if drafts[b]]
                 if rows:
-                    self.gamma_policy.observe(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows], sec)
+                    self.policy.observe_verified(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows],
+                                                 sec)
         for b, s in enumerate(seqs):
             a = n_acc_l[b]
             # KV now holds [.., last, d_1..d_k]; keep [.., last, d_1..d_a].
@@ -327,6 +348,13 @@ class SpecEngine:
         self.batcher.target_passes += 1
         self.batcher.rows_verified += B
         self.batcher.verify_s += time.perf_counter() - t1
+
+    def _coupled_scores(self, logits: torch.Tensor, seqs: list[Sequence], width: int) -> torch.Tensor:
+        """logits [Bc, W, V] -> log p + g for each row's next W positions (coupled sampling)."""
+        p = self._process(logits, seqs)  # [Bc, W, V]
+        noise = torch.stack([gumbel_noise(s.seed, range(len(s.tokens), len(s.tokens) + width), p.shape[-1],
+                                          p.device, self._noise_gen) for s in seqs])  # [Bc, W, V]
+        return coupled_scores(p, noise)
 
     def _verify_sampled(self, seqs, rows, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out) -> None:
         """Rejection sampling for the sampled rows, written into n_acc [B] and out [B, G+1]."""
@@ -379,6 +407,8 @@ class SpecEngine:
                 break
         if s.text is not None and not stops:
             s.text.push(emitted)
+        if s.shadow is not None:
+            self._resolve_shadow(s)
         text = s.text.take(final=reason is not None) if s.text is not None else ""
         d = outputs.get(s.key)
         if d is None:
@@ -389,6 +419,15 @@ class SpecEngine:
             self._finish(s, reason)
             d.finish_reason = reason
             d.prompt_tokens, d.completion_tokens, d.stats = s.num_prompt, len(s.output), s.stats
+
+    def _resolve_shadow(self, s: Sequence) -> None:
+        """Compare a shadow draft with what the target committed after it, once decidable."""
+        at, drafts = s.shadow
+        done = s.tokens[at:at + len(drafts)]
+        matched = next((i for i, (d, t) in enumerate(zip(drafts, done)) if d != t), len(done))
+        if matched < len(done) or len(done) == len(drafts) or s.finish_reason is not None:
+            self.policy.observe_shadow(s.req.draft, len(drafts) if matched < len(done) else len(done), matched)
+            s.shadow = None
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.finish_reason = reason

@@ -64,15 +64,17 @@ class MicroBatches:
         for f in mine + ([local_fl] if local_fl else []):
             for name, frows, sec in f.group_s:
                 group_s.append((name, [where[id(f.seqs[i])] for i in frows if id(f.seqs[i]) in where], sec))
+        shadow = []
         for b, s in enumerate(rows):
             f = s.flight if s.flight is not None else local_fl
             i = next(i for i, x in enumerate(f.seqs) if x is s)
             drafts.append(f.drafts[i])
+            shadow.append(bool(f.shadow) and f.shadow[i])
             if i in f.probs:
                 probs[b] = f.probs[i]
             draft_s.append(f.launch_s + f.wait_s)
             s.flight = None
-        engine.verify(rows, drafts, probs, group_s, draft_s, outputs)
+        engine.verify(rows, engine.set_aside_shadows(rows, drafts, shadow), probs, group_s, draft_s, outputs)
         t3 = time.perf_counter()
         bs.pipelined_steps += 1
         bs.draft_s += t2 - t0

@@ -42,6 +42,20 @@ Losslessness: ``process_logits`` (temperature, top-k, top-p) must be applied
 identically to the draft and the target logits; the acceptance rule then makes
 every emitted token distributed exactly as the *processed* target distribution.
 All arithmetic is done in float32 whatever the input dtype.
+
+Coupled sampling (seeded requests)
+----------------------------------
+Rejection sampling keeps the target's distribution, but *which* token comes out depends on
+the draft length and the draft: a seeded request would give other tokens when the policy
+chooses another γ. Seeded rows therefore use the Gumbel-max coupling instead: the token at
+absolute position ``i`` of a request with seed ``s`` is ``argmax_x log p_i(x) + g_{s,i}(x)``,
+where ``g_{s,i}`` is standard Gumbel noise drawn from a generator keyed by ``(s, i)``
+(``gumbel_noise``). That is an exact sample from ``p_i`` (the Gumbel-max trick), and it is
+the same token whatever else happens: drafters draw their drafts with the same noise
+(``argmax log q_i + g_{s,i}``), so verification is exact matching on the perturbed scores
+(``verify_greedy(coupled_scores(...))``). Acceptance is P(both argmaxes agree), a little below
+the ``sum min(p, q)`` of rejection sampling for model drafts, equal to ``p(x)`` for a
+deterministic draft ``x``.
 """
 
 from __future__ import annotations
@@ -50,7 +64,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["process_logits", "verify_greedy", "verify_sampled", "sample"]
+__all__ = ["process_logits", "verify_greedy", "verify_sampled", "sample", "gumbel_noise", "coupled_scores"]
 
 # First candidate count tried for top-p rows (see process_logits).
 _TOP_P_FIRST_K = 256
@@ -336,3 +350,43 @@ def sample(
         return torch.empty(0, dtype=torch.int64, device=probs.device)
     pf = probs.float()
     return torch.cat([torch.multinomial(pf[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+# --------------------------------------------------------------------------- #
+# Coupled (Gumbel-max) sampling
+# --------------------------------------------------------------------------- #
+_MASK64 = (1 << 64) - 1
+
+
+def _key(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a generator seed per request position, < 2**63."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def gumbel_noise(
+    seed: int,
+    positions: Sequence[int],  # absolute token positions in the request (prompt included)
+    vocab: int,
+    device: torch.device | str = "cpu",
+    generator: Optional[torch.Generator] = None,  # reused (re-seeded per position) if given
+) -> torch.Tensor:  # [len(positions), vocab] float32 standard Gumbel noise
+    """Noise keyed by (seed, position) only: the same numbers for the same request position,
+    whatever the batch, the draft length or the process that draws them."""
+    g = generator if generator is not None else torch.Generator(device=device)
+    out = torch.empty(len(positions), vocab, device=device)
+    tiny = torch.finfo(torch.float32).tiny
+    for i, pos in enumerate(positions):
+        g.manual_seed(_key(seed, pos))
+        out[i] = torch.rand(vocab, generator=g, device=device)
+    return -torch.log(-torch.log(out.clamp_(min=tiny, max=1 - 1e-7)))
+
+
+def coupled_scores(
+    probs: torch.Tensor,  # [..., V] processed probabilities (process_logits), zeros = filtered out
+    noise: torch.Tensor,  # [..., V] gumbel_noise for the same positions
+) -> torch.Tensor:  # [..., V] float32; argmax = the coupled sample, -inf where probs == 0
+    """log p + g: its argmax is an exact sample from p (the Gumbel-max trick)."""
+    return torch.log(probs.float()) + noise

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
 MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
+AUTO = "auto"  # γ chosen per step by the speculation policy (actors/policy.py)
+AUTO_MAX_GAMMA = 8  # the most the policy proposes per step
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range (the proto's uint64)
@@ -48,9 +50,10 @@ class SamplingParams:
 
 @dataclass
 class SpeculationParams:
-    """How to speculate. Never changes greedy output or the sampled distribution."""
+    """How to speculate. Never changes greedy output, the sampled distribution, or the tokens
+    of a seeded request."""
     draft: str | None = None  # a draft name; None = the server's default draft; "none" = off
-    gamma: int | None = None  # draft tokens per step; None = the draft's default; 0 = off
+    gamma: int | str | None = None  # draft tokens per step, or "auto"; None = the draft's default; 0 = off
 
 
 @dataclass
@@ -67,17 +70,29 @@ class Request:
         return None if not s.gamma or s.draft in (None, NO_DRAFT) else s.draft
 
     @property
+    def auto_gamma(self) -> bool:
+        return self.draft is not None and self.speculation.gamma == AUTO
+
+    @property
     def gamma(self) -> int:
-        return self.speculation.gamma or 0 if self.draft is not None else 0
+        """The most draft tokens per step: the fixed γ, or AUTO_MAX_GAMMA under the policy."""
+        if self.draft is None:
+            return 0
+        return AUTO_MAX_GAMMA if self.speculation.gamma == AUTO else self.speculation.gamma
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed: coupled acceptance, so the tokens depend on the seed only."""
+        return not self.sampling.greedy and self.sampling.seed is not None
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What a server accepts. `drafts` maps each servable draft name to its default γ."""
+    """What a server accepts. `drafts` maps each servable draft name to its default γ (or "auto")."""
     context: int  # prompt + max_tokens must fit
     max_tokens: int
     vocab_size: int | None = None  # prompt ids must lie in [0, vocab_size)
-    drafts: Mapping[str, int] = field(default_factory=dict)
+    drafts: Mapping[str, int | str] = field(default_factory=dict)
     default_draft: str = NO_DRAFT
     default_max_tokens: int = 128
 
@@ -137,8 +152,8 @@ def validate(req: Request, limits: Limits) -> Request:
         gamma = limits.drafts[draft] if draft != NO_DRAFT else 0
     else:
         gamma = sp.gamma
-        if not _is_int(gamma) or not 0 <= gamma <= MAX_GAMMA:
-            raise ValueError(f"speculation.gamma must be in [0, {MAX_GAMMA}], got {gamma}")
+        if gamma != AUTO and (not _is_int(gamma) or not 0 <= gamma <= MAX_GAMMA):
+            raise ValueError(f"speculation.gamma must be in [0, {MAX_GAMMA}] or {AUTO!r}, got {gamma!r}")
     if draft == NO_DRAFT or gamma == 0:
         draft, gamma = NO_DRAFT, 0
     return replace(req, prompt_ids=list(ids),

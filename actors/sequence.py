@@ -38,6 +38,7 @@ class Sequence:
     hid_sent: int = 0  # of those, how many the drafter has received
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
     mb: int | None = None  # pipelined: which micro-batch (0 or 1) verifies it
     flight: "Flight | None" = None  # pipelined: draft calls sent for it, not yet verified
 

@@ -80,19 +80,37 @@ class DeploymentSpec(_Strict):
 
 
 class DraftConfig(DeploymentSpec):
-    """One draft. `spec` uses the engine's draft names: ngram[:N], truncated:K, or a model path.
-    n-gram drafts run inside the verifier (a network hop would cost more than the lookup);
-    model drafts get their own deployment on the small-accelerator pool."""
+    """One draft. `spec` uses the engine's draft names: ngram[:N], truncated:K, `default` (the
+    shipped distilled head) or a model path. `placement` says where it runs:
+      colocated  inside each verifier replica, on its device: no hop. Right for n-gram (a hop
+                 costs more than the lookup) and feature heads (they read the target's hidden
+                 states, which would otherwise cross the network every step).
+      remote     its own deployment on the small-accelerator pool (`resources`, `autoscaling`
+                 apply): right for a draft model large enough to be worth its own accelerator;
+                 it drafts ahead for the likely verdicts while the target verifies (`overlap`)."""
     name: str
     spec: str
-    default_gamma: int = Field(4, ge=0, le=MAX_GAMMA)
+    placement: Literal["colocated", "remote"] = "colocated"
+    default_gamma: int | Literal["auto"] = Field("auto", description="γ when a request leaves it unset: "
+                                                  "'auto' (the speculation policy) or a fixed 0..16")
     max_batch: int = Field(16, ge=1, description="sequences with draft KV per replica")
     lease_s: float = Field(600, gt=0, description="draft state nobody asked about for this long expires "
                            "(its verifier died); a live sequence that returns is re-synced")
+    overlap: bool = Field(True, description="remote: draft the next block for the likeliest verdicts while "
+                          "the target verifies (token-level model drafts; feature heads run colocated)")
+    overlap_branches: int = Field(3, ge=1, le=16, description="verdicts prepared per block when overlapping")
 
     @property
     def remote(self) -> bool:
-        return not (self.spec == "ngram" or self.spec.startswith("ngram:"))
+        return self.placement == "remote"
+
+    @model_validator(mode="after")
+    def _gamma(self):
+        if self.default_gamma != "auto" and not 0 <= self.default_gamma <= MAX_GAMMA:
+            raise ValueError(f"default_gamma must be 'auto' or in [0, {MAX_GAMMA}], got {self.default_gamma}")
+        if self.remote and (self.spec == "ngram" or self.spec.startswith("ngram:")):
+            raise ValueError(f"draft {self.name!r}: an n-gram draft runs colocated (a hop costs more than it saves)")
+        return self
 
 
 class VerifierConfig(DeploymentSpec):
@@ -100,7 +118,6 @@ class VerifierConfig(DeploymentSpec):
     pipeline: bool = Field(False, description="split sequences with remote drafts into two micro-batches and "
                            "verify one while the draft replicas propose for the other (greedy output unchanged; "
                            "VerifierServer.set_pipeline toggles it at run time)")
-    adaptive_gamma: bool = Field(False, description="treat request γ as a maximum, choose per step")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "
                                "prefill: running streams keep decoding while a long prompt is admitted)")
 
@@ -117,7 +134,9 @@ class ClusterConfig(_Strict):
     app_name: str = "specd"
     route_prefix: str = "/specd"
     model: str = Field("smollm2", description="target: 'smollm2', 'tiny[:SEED]' or a HF model directory")
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto' measures "
+                                                   "both on the hardware at load and keeps the faster at the "
+                                                   "verifier's max_batch (never a quantized target)")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
     grpc_port: int = Field(9000, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -31,57 +32,221 @@ from actors.drafters.base import Drafter, DraftSeq, Proposal, apply_view
 log = logging.getLogger("specd")
 
 
+@dataclass
+class _Block:
+    """A block of drafts just sent to a verifier, and the next blocks prepared for its verdicts."""
+    call: DraftSeq  # the call that asked for it (sampling parameters, γ)
+    anchor: int  # committed tokens before the block: every possible verdict keeps them
+    view: list[int]  # committed + the block: what the verifier believes the draft's view is
+    block: list[int]  # the drafts
+    topk: list[list[int]]  # the draft's likeliest tokens at each drafted position
+    branches: dict = field(default_factory=dict)  # (keep, new_tokens) -> (drafts, probs [γ, V] or None)
+    done: bool = False  # every planned branch prepared
+
+
 class DraftServer:
+    """Overlap (`overlap=True`, token-level model drafts): after answering a call, a worker thread
+    drafts the NEXT block for the verdicts the verifier is most likely to return (all drafts
+    accepted plus the draft's top bonus candidates; the first rejection plus its top correction
+    candidates), up to `branches` of them, while the target verifies. A call whose (keep,
+    new_tokens) matches a prepared verdict is answered at once, without drafting; any other is
+    drafted as usual. Prepared drafts are only proposals, so greedy output and the sampled
+    distribution are unchanged. Real calls always go first: the worker yields between branches."""
+
     def __init__(self, drafter: Drafter, replica_id: str = "local", lease_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, overlap: bool = False, branches: int = 3):
         self.drafter, self.replica, self.lease_s, self.clock = drafter, replica_id, lease_s, clock
         self.last_seen: dict[int, float] = {}  # seq_id -> when a caller last asked about it
         self.calls = self.batches = self.expired = 0
-        self.busy_s = 0.0  # time spent proposing
+        self.busy_s = 0.0  # time spent proposing for callers
         self._lock = threading.Lock()  # the drafter's KV and views are not thread-safe
+        self.overlap = overlap and not drafter.wants_hidden and hasattr(drafter, "set_view")
+        self.branches = branches
+        self.blocks: dict[int, _Block] = {}
+        self.alpha: dict[int, float] = {}  # per sequence: EMA of the accepted share of its blocks
+        self.hits = self.misses = self.prepared = 0
+        self.prepare_s = 0.0
+        self._waiting = 0  # callers waiting for the lock: the worker yields to them
+        self._todo: deque[int] = deque()
+        self._wake = threading.Event()
+        self._busy = False  # the worker is preparing
+        if self.overlap:
+            drafter.record_topk = branches
+            threading.Thread(target=self._worker, name="draft-overlap", daemon=True).start()
 
     def propose_batch(self, calls: list[list[DraftSeq]]) -> list[dict]:
         """Answer several calls with one propose. Per call: {"replica", "proposal" (for `rows`),
-        "rows", "missing", "full", "queued_s", "busy_s"} (indices into the call's list)."""
+        "rows", "missing", "full", "prepared" (rows answered from a prepared verdict), "queued_s",
+        "busy_s"} (indices into the call's list)."""
         t0 = self.clock()
+        self._waiting += 1
         with self._lock:
+            self._waiting -= 1
             t1 = self.clock()
             self._expire(t1)
             self.batches += 1
             self.calls += len(calls)
             room = self.drafter.free_capacity()
             flat: list[DraftSeq] = []
+            ready: dict[tuple[int, int], tuple[list[int], torch.Tensor | None]] = {}  # (call, row) -> prepared
             answers = []
-            for seqs in calls:
-                rows, missing, full = [], [], []
+            for c, seqs in enumerate(calls):
+                rows, missing, full, flat_rows = [], [], [], []
                 for i, s in enumerate(seqs):
                     have = self.drafter.view_length(s.seq_id)
                     if (have is None and s.keep > 0) or (have is not None and s.keep > have):
                         missing.append(i)
-                    elif have is None and room is not None and room <= 0:
+                        continue
+                    if have is None and room is not None and room <= 0:
                         full.append(i)
+                        continue
+                    if have is None and room is not None:
+                        room -= 1
+                    rows.append(i)
+                    self.last_seen[s.seq_id] = t1
+                    hit = self._take_prepared(s) if self.overlap else None
+                    if hit is not None:
+                        ready[c, i] = hit
                     else:
-                        if have is None and room is not None:
-                            room -= 1
-                        rows.append(i)
-                        self.last_seen[s.seq_id] = t1
+                        flat_rows.append(i)
+                        flat.append(s)
                 answers.append({"replica": self.replica, "rows": rows, "missing": missing, "full": full,
-                                "first": len(flat)})
-                flat += [seqs[i] for i in rows]
+                                "flat_rows": flat_rows, "prepared": sorted(i for cc, i in ready if cc == c)})
             prop = self.drafter.propose(flat) if flat else None
             busy = self.clock() - t1
             self.busy_s += busy
-        for a in answers:
-            first = a.pop("first")
-            a["proposal"] = _slice(prop, first, len(a["rows"])) if a["rows"] else None
-            a["queued_s"], a["busy_s"] = t1 - t0, busy
+            first = 0
+            for c, (seqs, a) in enumerate(zip(calls, answers)):
+                flat_rows = a.pop("flat_rows")
+                part = _slice(prop, first, len(flat_rows)) if flat_rows else None
+                first += len(flat_rows)
+                a["proposal"] = _assemble([seqs[i] for i in a["rows"]], a["rows"], flat_rows, part,
+                                          {i: ready[c, i] for i in a["prepared"]})
+                a["queued_s"], a["busy_s"] = t1 - t0, busy
+                if self.overlap and a["proposal"] is not None:
+                    self._remember(seqs, a["rows"], a["proposal"])
+        if self.overlap:
+            self._wake.set()
         return answers
+
+    # ---- overlap ---------------------------------------------------------------------------------
+    def _take_prepared(self, s: DraftSeq) -> tuple[list[int], torch.Tensor | None] | None:
+        """The prepared next block for this verdict, or None (then it is drafted as usual)."""
+        blk = self.blocks.pop(s.seq_id, None)
+        if blk is None:
+            return None
+        accepted = s.keep - blk.anchor
+        if 0 <= accepted <= len(blk.block):
+            a = self.alpha.get(s.seq_id, 0.3)
+            self.alpha[s.seq_id] = 0.5 * a + 0.5 * accepted / max(1, len(blk.block))
+        got = blk.branches.get((s.keep, tuple(s.new_tokens)))
+        same = got is not None and len(got[0]) >= s.gamma and (s.temperature, s.top_k, s.top_p, s.coupled) == \
+            (blk.call.temperature, blk.call.top_k, blk.call.top_p, blk.call.coupled)
+        if not same:
+            self.misses += 1
+            self.drafter.set_view(s.seq_id, blk.view, blk.anchor)  # as the verifier believes it, KV up to the anchor
+            return None
+        self.hits += 1
+        drafts, probs = got[0][:s.gamma], None if got[1] is None else got[1][:s.gamma]
+        self.drafter.set_view(s.seq_id, blk.view[:s.keep] + list(s.new_tokens) + drafts, blk.anchor)
+        return drafts, probs
+
+    def _remember(self, seqs: list[DraftSeq], rows: list[int], prop: Proposal) -> None:
+        for j, i in enumerate(rows):
+            s = seqs[i]
+            k = prop.num_draft[j]
+            if k == 0:
+                continue
+            view = list(self.drafter.views[s.seq_id])  # committed + the block just proposed
+            block = view[len(view) - k:]
+            topk = prop.topk[j, :k].tolist() if prop.topk is not None else [[] for _ in range(k)]
+            self.blocks[s.seq_id] = _Block(call=s, anchor=len(view) - k, view=view, block=block, topk=topk)
+            self._todo.append(s.seq_id)
+
+    def _plan(self, sid: int, blk: _Block, bonus: list[int]) -> list[tuple[int, int]]:
+        """The likeliest verdicts (accepted count a, next token c), by a rough probability:
+        all accepted with the draft's bonus candidates; the first rejection at j with the draft's
+        other candidates there (rank-weighted, since the draft's top choice was rejected)."""
+        alpha, k = self.alpha.get(sid, 0.3), len(blk.block)
+        rank_w = (0.6, 0.2, 0.1, 0.05)
+        cands = [(alpha ** k * rank_w[r], k, c) for r, c in enumerate(bonus[:len(rank_w)])]
+        for j in range(k):
+            others = [c for c in blk.topk[j] if c != blk.block[j]]
+            cands += [(alpha ** j * (1 - alpha) * rank_w[r], j, c) for r, c in enumerate(others[:len(rank_w)])]
+        cands.sort(key=lambda x: -x[0])
+        return [(a, c) for _, a, c in cands[:self.branches]]
+
+    def _worker(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._todo:
+                self._busy = True
+                sid = self._todo.popleft()
+                try:
+                    self._prepare(sid)
+                except Exception:  # preparing is best effort: the call will be drafted as usual
+                    log.exception("draft preparation failed for sequence %s", sid)
+                finally:
+                    self._busy = False
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until every queued preparation is done (tests and benchmarks)."""
+        end = time.monotonic() + timeout
+        while (self._todo or self._busy) and time.monotonic() < end:
+            time.sleep(0.001)
+
+    def _branch(self, sid: int, blk: _Block, keep: int, new: list[int], gamma: int):
+        """One guessed verdict, drafted under the lock; the view is put back after."""
+        while self._waiting:
+            time.sleep(0.0005)  # a caller goes first
+        with self._lock:
+            if self.blocks.get(sid) is not blk:
+                return None  # its verdict arrived meanwhile, or it was released
+            t0 = self.clock()
+            c = blk.call
+            prop = self.drafter.propose([DraftSeq(seq_id=sid, keep=keep, new_tokens=new, gamma=gamma,
+                                                  temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                                                  seed=c.seed, coupled=c.coupled)])
+            self.drafter.set_view(sid, blk.view, keep)
+            self.prepared += 1
+            self.prepare_s += self.clock() - t0
+            n = prop.num_draft[0]
+            return (prop.tokens[0, :n].tolist(), None if prop.probs is None else prop.probs[0, :n].clone(),
+                    prop.topk[0].tolist() if prop.topk is not None else [])
+
+    def _prepare(self, sid: int) -> None:
+        blk = self.blocks.get(sid)
+        if blk is None or blk.done:
+            return
+        k, g = len(blk.block), blk.call.gamma
+        # Feed the block's last draft and draft one more than γ: the first token is the draft's
+        # bonus guess, the rest the next block after it (the likeliest verdict, all accepted).
+        got = self._branch(sid, blk, blk.anchor + k - 1, [blk.block[-1]], g + 1)
+        if got is None:
+            return
+        drafts, probs, topk = got
+        if drafts:  # the verdict "all accepted, the bonus is the draft's own next token" comes free
+            blk.branches[blk.anchor + k, (drafts[0],)] = (drafts[1:], None if probs is None else probs[1:])
+        bonus = topk[0] if topk else drafts[:1]
+        for a, c in self._plan(sid, blk, bonus):
+            if self.blocks.get(sid) is not blk:
+                return
+            key = (blk.anchor + a, (c,))
+            if key in blk.branches:
+                continue
+            got = self._branch(sid, blk, blk.anchor + a, [c], g)
+            if got is None:
+                return
+            blk.branches[key] = got[:2]
+        blk.done = True
 
     def _expire(self, now: float) -> None:
         for sid, seen in list(self.last_seen.items()):
             if now - seen > self.lease_s:
                 self.drafter.release(sid)
                 del self.last_seen[sid]
+                self.blocks.pop(sid, None)
                 self.expired += 1
 
     def release(self, seq_ids: list[int]) -> int:
@@ -89,6 +254,8 @@ class DraftServer:
             for sid in seq_ids:
                 self.drafter.release(sid)
                 self.last_seen.pop(sid, None)
+                self.blocks.pop(sid, None)
+                self.alpha.pop(sid, None)
             return self.drafter.num_active()
 
     def stats(self) -> dict:
@@ -97,14 +264,50 @@ class DraftServer:
         return {"replica_id": self.replica, "role": "draft", "name": self.drafter.name,
                 "active_sequences": active, "kv_slots_in_use": active,
                 "kv_slots_total": active + cap if cap is not None else 0,
-                "calls": self.calls, "batches": self.batches, "expired": self.expired, "busy_s": self.busy_s}
+                "calls": self.calls, "batches": self.batches, "expired": self.expired, "busy_s": self.busy_s,
+                "overlap": self.overlap, "prepared_hits": self.hits, "prepared_misses": self.misses,
+                "hit_rate": self.hits / (self.hits + self.misses) if self.hits + self.misses else None,
+                "prepared_branches": self.prepared, "prepare_s": self.prepare_s}
 
 
 def _slice(prop: Proposal, first: int, n: int) -> Proposal:
     """Rows [first, first + n) of a proposal."""
     sl = slice(first, first + n)
     return Proposal(tokens=prop.tokens[sl], num_draft=prop.num_draft[sl],
-                    probs=prop.probs[sl] if prop.probs is not None else None)
+                    probs=prop.probs[sl] if prop.probs is not None else None,
+                    topk=prop.topk[sl] if prop.topk is not None else None)
+
+
+def _assemble(seqs: list[DraftSeq], rows: list[int], drafted: list[int], part: Proposal | None,
+              ready: dict[int, tuple[list[int], torch.Tensor | None]]) -> Proposal | None:
+    """One proposal for a call's answered `rows` (in order): those in `drafted` from `part`, the
+    rest from prepared blocks."""
+    if not rows:
+        return None
+    if not ready:
+        return part
+    G = max(s.gamma for s in seqs)
+    tokens = torch.zeros(len(rows), G, dtype=torch.long)
+    num = [0] * len(rows)
+    V = next((p.shape[-1] for _, p in ready.values() if p is not None), None)
+    if part is not None and part.probs is not None:
+        V = part.probs.shape[-1]
+    probs = torch.zeros(len(rows), G, V) if V is not None else None
+    pos = {i: j for j, i in enumerate(drafted)}
+    for r, i in enumerate(rows):
+        if i in ready:
+            drafts, p = ready[i]
+            num[r] = len(drafts)
+            tokens[r, :num[r]] = torch.tensor(drafts, dtype=torch.long)
+            if p is not None:
+                probs[r, :num[r]] = p
+        else:
+            j = pos[i]
+            num[r] = part.num_draft[j]
+            tokens[r, :num[r]] = part.tokens[j, :num[r]]
+            if part.probs is not None:
+                probs[r, :num[r]] = part.probs[j, :num[r]]
+    return Proposal(tokens=tokens, num_draft=num, probs=probs)
 
 
 class RemoteDrafter(Drafter):
@@ -118,7 +321,7 @@ class RemoteDrafter(Drafter):
         self.wants_hidden = wants_hidden  # the replicas run a feature-level head
         self.pins: dict[int, str] = {}  # seq_id -> draft replica holding its KV
         self.mirror: dict[int, list[int]] = {}  # what that replica's view should be
-        self.resyncs = self.full_rows = 0
+        self.resyncs = self.full_rows = self.prepared_rows = 0
         # Seen from here: calls answered, and the replicas' time proposing / queued behind
         # another batch, summed over answers.
         self.calls, self.replica_busy_s, self.replica_queued_s = 0, 0.0, 0.0
@@ -154,6 +357,7 @@ class RemoteDrafter(Drafter):
                 self.calls += 1
                 self.replica_busy_s += out["busy_s"]
                 self.replica_queued_s += out["queued_s"]
+                self.prepared_rows += len(out.get("prepared", ()))
                 if out["missing"]:
                     miss = [rows[i] for i in out["missing"]]
                     work.append((miss, self._resync(out["replica"], [seqs[i] for i in miss])))
@@ -210,4 +414,5 @@ class RemoteDrafter(Drafter):
 
     def call_stats(self) -> dict:
         return {"calls": self.calls, "replica_busy_s": self.replica_busy_s,
-                "replica_queued_s": self.replica_queued_s, "resyncs": self.resyncs, "full_rows": self.full_rows}
+                "replica_queued_s": self.replica_queued_s, "resyncs": self.resyncs, "full_rows": self.full_rows,
+                "prepared_rows": self.prepared_rows}

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from actors.build import draft_kind
+from actors.calibrate import hardware_line
 from actors.schema import MAX_GAMMA, Delta, Request, SpecStats, validate
 from actors.text import encode_prompt
 from protos import specd_pb2
@@ -105,8 +107,9 @@ class Router:
     async def validate(self, req: specd_pb2.GenerateRequest) -> Request:
         """The validated request (defaults resolved); ValueError names the field and the limit."""
         ids = await asyncio.to_thread(self._encode, req)
-        return validate(Request(req.request_id or uuid.uuid4().hex, ids, sampling_from_proto(req.sampling),
-                                speculation_from_proto(req.speculation)), self.limits)
+        spec = speculation_from_proto(req.speculation)
+        return validate(Request(req.request_id or uuid.uuid4().hex, ids, sampling_from_proto(req.sampling), spec),
+                        self.limits)
 
     @staticmethod
     def _coalesce_key(req: Request) -> str | None:
@@ -225,8 +228,14 @@ class Router:
         try:
             v = await self.verifier.stats.remote()
             r.requests_queued = v.get("queued", 0)
-            r.replicas.add(replica_id=v["replica_id"], role="verifier", active_sequences=v["active_sequences"],
-                           kv_slots_in_use=v["kv_slots_in_use"], kv_slots_total=v["kv_slots_total"])
+            rep = r.replicas.add(replica_id=v["replica_id"], role="verifier", active_sequences=v["active_sequences"],
+                                 kv_slots_in_use=v["kv_slots_in_use"], kv_slots_total=v["kv_slots_total"],
+                                 dtype=v["engine"].get("dtype", ""), dtype_reason=v["engine"].get("dtype_reason", ""),
+                                 hardware=hardware_line(v["engine"].get("hardware", {})))
+            for name, st in ((v.get("policy") or {}).get("drafters") or {}).items():
+                rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],
+                               acceptance=st["accept_curve"], steps=st["steps"],
+                               speculated_steps=st["speculated_steps"])
             for h in self.draft_handles.values():
                 d = await h.stats.remote()
                 r.replicas.add(replica_id=d["replica_id"], role="draft", active_sequences=d["active_sequences"],
@@ -240,9 +249,9 @@ class Router:
         r = specd_pb2.ListModelsResponse(target=cfg.model, max_gamma=MAX_GAMMA, max_tokens=cfg.router.max_tokens,
                                          context_length=cfg.max_len)
         for d in cfg.drafts:
-            kind = "ngram" if not d.remote else ("truncated" if d.spec.startswith("truncated:") else "model")
-            r.drafts.add(name=d.name, kind=kind, default=d.name == cfg.router.default_draft,
-                         default_gamma=d.default_gamma)
+            auto = d.default_gamma == "auto"
+            r.drafts.add(name=d.name, kind=draft_kind(d.spec), default=d.name == cfg.router.default_draft,
+                         default_gamma=0 if auto else d.default_gamma, default_gamma_auto=auto, placement=d.placement)
         return r
 
     async def Check(self, request, grpc_context=None):

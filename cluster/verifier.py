@@ -53,11 +53,11 @@ class VerifierServer:
         remote = {name: RemoteDrafter(handle, name, wants_hidden=spec_wants_hidden(specs.get(name, "")))
                   for name, handle in (draft_handles or {}).items()}
         built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
-                             adaptive_gamma=v.adaptive_gamma, extra_drafters=remote, pipeline=v.pipeline,
-                             prefill_chunk=v.prefill_chunk,
+                             extra_drafters=remote, pipeline=v.pipeline, prefill_chunk=v.prefill_chunk,
                              default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
+        log.info("verifier: target %s in %s (%s)", cfg.model, built.dtype, built.dtype_reason)
         self.replica = replica_id()
         self.node = node_id()
         self.inbox: queue.Queue = queue.Queue()
@@ -100,6 +100,7 @@ class VerifierServer:
                 "active_sequences": eng.kv_slots_in_use(), "queued": eng.num_waiting(),
                 "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.steps,
                 "spec": eng.stats.to_dict(), "pipeline": eng.pipeline, "batcher": eng.batcher.to_dict(),
+                "engine": eng.info, "policy": eng.policy.state() if eng.policy is not None else None,
                 "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
                                   if isinstance(d, RemoteDrafter)}}
 

@@ -8,7 +8,7 @@ only grpcio and protobuf).
 """
 from __future__ import annotations
 
-from actors.schema import Delta, SamplingParams, SpecStats, SpeculationParams
+from actors.schema import AUTO, Delta, SamplingParams, SpecStats, SpeculationParams
 from protos import specd_pb2
 
 FINISH = {"length": specd_pb2.FINISH_REASON_LENGTH, "stop": specd_pb2.FINISH_REASON_STOP,
@@ -24,6 +24,10 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:
+    if sp.gamma_auto:
+        if sp.HasField("gamma"):
+            raise ValueError("speculation.gamma_auto and speculation.gamma are exclusive: set one")
+        return SpeculationParams(draft=sp.draft or None, gamma=AUTO)
     return SpeculationParams(draft=sp.draft or None, gamma=sp.gamma if sp.HasField("gamma") else None)
 
 

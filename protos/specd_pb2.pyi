@@ -49,12 +49,14 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("draft", "gamma")
+    __slots__ = ("draft", "gamma", "gamma_auto")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_AUTO_FIELD_NUMBER: _ClassVar[int]
     draft: str
     gamma: int
-    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ...) -> None: ...
+    gamma_auto: bool
+    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., gamma_auto: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "sampling", "speculation")
@@ -123,18 +125,42 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total")
+    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     active_sequences: int
     kv_slots_in_use: int
     kv_slots_total: int
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ...) -> None: ...
+    dtype: str
+    dtype_reason: str
+    hardware: str
+    policy: _containers.RepeatedCompositeFieldContainer[DraftPolicy]
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ...) -> None: ...
+
+class DraftPolicy(_message.Message):
+    __slots__ = ("draft", "gamma", "speculated_share", "acceptance", "steps", "speculated_steps")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    gamma: int
+    speculated_share: float
+    acceptance: _containers.RepeatedScalarFieldContainer[float]
+    steps: int
+    speculated_steps: int
+    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., speculated_share: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., speculated_steps: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("requests_total", "requests_active", "requests_queued", "coalesced_total", "rejected_total", "tokens_total", "spec_stats", "replicas", "uptime_seconds")
@@ -163,16 +189,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("name", "kind", "default", "default_gamma")
+    __slots__ = ("name", "kind", "default", "default_gamma", "default_gamma_auto", "placement")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_GAMMA_AUTO_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     default: bool
     default_gamma: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., default: _Optional[bool] = ..., default_gamma: _Optional[int] = ...) -> None: ...
+    default_gamma_auto: bool
+    placement: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., default: _Optional[bool] = ..., default_gamma: _Optional[int] = ..., default_gamma_auto: _Optional[bool] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("target", "drafts", "max_gamma", "max_tokens", "context_length")

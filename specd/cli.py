@@ -20,9 +20,20 @@ import time
 import uuid
 
 
+def gamma_arg(value: str) -> int | str:
+    """--gamma: an integer, or "auto" (the speculation policy chooses per step)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {value!r}") from None
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto: measure both on this hardware at load (cached) and keep the faster")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
 
 
@@ -44,10 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--draft", default="none", help="none | ngram[:N] | truncated:K | PATH")
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (ignored with --draft none)")
-    g.add_argument("--adaptive-gamma", action="store_true",
-                   help="treat --gamma as a maximum and choose the draft length per step for goodput")
+    g.add_argument("--draft", default="ngram", help="none | ngram[:N] | truncated:K | default | PATH")
+    g.add_argument("--gamma", type=gamma_arg, default="auto",
+                   help="draft tokens per step, or auto: the speculation policy chooses per step, and switches "
+                        "speculation off where it does not pay (ignored with --draft none)")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     _add_model_args(g)
 
@@ -79,11 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=None, help="default 64 (--pipeline-compare: 48)")
     b.add_argument("--draft", action="append", default=None,
                    help="drafter to compare (repeatable); default: ngram and truncated:4")
-    b.add_argument("--gamma", type=int, default=None, help="default 4 (--local) or the draft's default (--address)")
+    b.add_argument("--gamma", type=int, default=None,
+                   help="fixed γ of the fixed-γ configurations (default 4, --local), or the γ sent to a cluster "
+                        "(default: the draft's default, auto)")
     b.add_argument("--batch-sizes", default="1,8")
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
-    b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-γ configurations")
+    b.add_argument("--no-adaptive", action="store_true", help="skip the γ=auto configurations")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -97,9 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                                     "and acceptance, shut down (--local: the in-process engine instead)")
     d.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
     d.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
-    d.add_argument("--draft", default="ngram", help="draft for the streamed answers")
-    d.add_argument("--gamma", type=int, default=None,
-                   help="draft tokens per step (default: each draft's default_gamma from the config; 4 locally)")
+    d.add_argument("--draft", default=None, help="draft for the streamed answers (default: the config's default "
+                                                  "draft; ngram with --local)")
+    d.add_argument("--gamma", type=gamma_arg, default=None,
+                   help="draft tokens per step (default: each draft's default_gamma from the config; auto locally)")
     d.add_argument("--max-tokens", type=int, default=80)
     _add_model_args(d)
     from .distill import add_parser as add_distill
@@ -160,7 +174,7 @@ def _generate_remote(args) -> int:
     with SpecdClient(args.address) as client:
         kw = dict(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  stop=args.stop or None, draft=args.draft, gamma=args.gamma if args.draft != "none" else 0)
+                  stop=args.stop or None, draft=args.draft, gamma=0 if args.draft == "none" else args.gamma)
         try:
             if args.json:
                 r = client.generate(**kw)
@@ -185,8 +199,7 @@ def _generate(args) -> int:
     from actors.text import encode_prompt
 
     messages = json.loads(args.messages_json) if args.messages_json else None
-    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len,
-                         adaptive_gamma=args.adaptive_gamma)
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -279,6 +292,7 @@ def _demo_cluster(args) -> int:
 
     path = args.config or LOCAL_CONFIG
     cfg = ClusterConfig.load(path).model_copy(update={"grpc_port": 0, "http_port": 0})  # free ports: self-contained
+    args.draft = args.draft or cfg.router.default_draft
     if args.draft != "none" and args.draft not in [d.name for d in cfg.drafts]:
         raise ValueError(f"--draft {args.draft!r}: {path} serves {['none', *[d.name for d in cfg.drafts]]}")
 
@@ -292,15 +306,21 @@ def _demo_cluster(args) -> int:
         addr = S.start(cfg)
         with SpecdClient(addr, timeout=300) as client:
             S.wait_serving(client, timeout=300, poll=0.5)
-            roles = [f"{r.role} {r.replica_id.split('#')[-1]}" for r in client.stats().replicas]
+            reps = client.stats().replicas
+            roles = [f"{r.role} {r.replica_id.split('#')[-1]}" for r in reps]
             print(f"[specd demo] serving on grpc://{addr} after {time.perf_counter() - t0:.0f} s "
                   f"(replicas: {', '.join(roles)})", flush=True)
+            for r in reps:
+                if r.role == "verifier":
+                    print(f"[specd demo] verifier on {r.hardware}\n[specd demo] target dtype {r.dtype_reason}",
+                          flush=True)
             msgs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
 
             gammas = {d.name: d.default_gamma for d in cfg.drafts}
 
-            def gamma_of(draft: str) -> int:
-                return args.gamma if args.gamma is not None else gammas.get(draft, 4)
+            def gamma_of(draft: str) -> int | None:  # None: unset, the draft's default (auto in the config)
+                g = args.gamma if args.gamma is not None else gammas.get(draft, "auto")
+                return None if g == "auto" else g
 
             def one(i: int, draft: str, show: bool = False) -> tuple[int, float, dict | None]:
                 n, stats = 0, None
@@ -331,11 +351,18 @@ def _demo_cluster(args) -> int:
                                            st.get("drafts", 0))):
                         tot[d][k] += v
             base = tot["none"][0] / tot["none"][1]
+            placement = {d.name: d.placement for d in cfg.drafts}
+            policy: dict[str, dict] = {}
+            for r in client.stats().replicas:
+                for name, st in r.policy.items():
+                    policy.setdefault(name, st)
             for d in drafts:
                 n, dt, drafted, acc, steps = tot[d]
-                line = f"  {d:>14}: {n / dt:6.1f} tok/s  ({n / dt / base:.2f}× no draft)"
+                line = f"  {d:>12} {placement.get(d, ''):>9}: {n / dt:6.1f} tok/s  ({n / dt / base:.2f}× no draft)"
+                if d in policy:
+                    line += f"  policy speculated on {policy[d]['speculated_share']:.0%} of steps"
                 if drafted:
-                    line += f"  α={acc / drafted:.2f}, mean accepted length {1 + acc / steps:.2f}"
+                    line += f", α={acc / drafted:.2f}, mean accepted length {1 + acc / steps:.2f}"
                 print(line, flush=True)
             t = time.perf_counter()
             with cf.ThreadPoolExecutor(len(DEMO_QUESTIONS)) as ex:
@@ -354,6 +381,7 @@ def _demo_cluster(args) -> int:
 
 
 def _demo_local(args) -> int:
+    args.draft = args.draft or "ngram"
     from actors.build import build_engine
     from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
     from actors.text import encode_prompt
@@ -362,7 +390,7 @@ def _demo_local(args) -> int:
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft
-    gamma = (4 if args.gamma is None else args.gamma) if spec else 0
+    gamma = ("auto" if args.gamma is None else args.gamma) if spec else 0
 
     def one(i: int, draft, g: int, show: bool):
         key = eng.add_request(Request(f"demo-{i}-{g}", ids[i], SamplingParams(max_tokens=args.max_tokens),

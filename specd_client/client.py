@@ -114,6 +114,13 @@ class ReplicaStats:
     active_sequences: int
     kv_slots_in_use: int
     kv_slots_total: int
+    dtype: str = ""  # verifiers: the target's dtype, and why it was chosen
+    dtype_reason: str = ""
+    hardware: str = ""
+    # verifiers: per draft, the speculation policy's last γ, share of steps speculated, its
+    # acceptance estimate per position, and step counts:
+    # {"draft": {"gamma", "speculated_share", "acceptance", "steps", "speculated_steps"}}
+    policy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,9 +139,10 @@ class Stats:
 @dataclass
 class DraftInfo:
     name: str
-    kind: str
+    kind: str  # "ngram" | "truncated" | "eagle" | "model"
     default: bool
-    default_gamma: int
+    default_gamma: int | str  # an integer, or "auto" (the server's speculation policy chooses per step)
+    placement: str = ""  # "colocated" | "remote"
 
 
 @dataclass
@@ -187,13 +195,18 @@ def _stats(r: specd_pb2.StatsResponse) -> Stats:
                  rejected_total=r.rejected_total, tokens_total=r.tokens_total,
                  spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
                  replicas=[ReplicaStats(x.replica_id, x.role, x.active_sequences, x.kv_slots_in_use,
-                                        x.kv_slots_total) for x in r.replicas],
+                                        x.kv_slots_total, x.dtype, x.dtype_reason, x.hardware,
+                                        {p.draft: {"gamma": p.gamma, "speculated_share": p.speculated_share,
+                                                   "acceptance": list(p.acceptance), "steps": p.steps,
+                                                   "speculated_steps": p.speculated_steps} for p in x.policy})
+                           for x in r.replicas],
                  uptime_seconds=r.uptime_seconds)
 
 
 def _models(r: specd_pb2.ListModelsResponse) -> ModelsInfo:
     return ModelsInfo(target=r.target,
-                      drafts=[DraftInfo(d.name, d.kind, d.default, d.default_gamma) for d in r.drafts],
+                      drafts=[DraftInfo(d.name, d.kind, d.default, "auto" if d.default_gamma_auto else d.default_gamma,
+                                        d.placement) for d in r.drafts],
                       max_gamma=r.max_gamma, max_tokens=r.max_tokens, context_length=r.context_length)
 
 
@@ -212,7 +225,7 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = None, draft: str | None = None,
-                  gamma: int | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
+                  gamma: int | str | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
     """The GenerateRequest for these arguments. None = unset = the server's default.
 
     Exactly one of `prompt` (raw text) and `messages` (chat turns: mappings with
@@ -245,7 +258,9 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
     if stop is not None:
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
     req.speculation.draft = draft or ""
-    if gamma is not None:
+    if gamma == "auto":
+        req.speculation.gamma_auto = True
+    elif gamma is not None:
         req.speculation.gamma = gamma
     return req
 
@@ -375,7 +390,7 @@ class SpecdClient(_Base):
                  max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, draft: str | None = None,
-                 gamma: int | None = None, request_id: str | None = None,
+                 gamma: int | str | None = None, request_id: str | None = None,
                  timeout: float | None = _DEFAULT) -> Result:
         """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
         req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -386,7 +401,7 @@ class SpecdClient(_Base):
                max_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: str | Sequence[str] | None = None, draft: str | None = None,
-               gamma: int | None = None, request_id: str | None = None,
+               gamma: int | str | None = None, request_id: str | None = None,
                timeout: float | None = _DEFAULT) -> Iterator[Chunk]:
         """Stream a completion as Chunk deltas (GenerateStream).
 
@@ -499,7 +514,7 @@ class AsyncSpecdClient(_Base):
                        max_tokens: int | None = None, temperature: float | None = None,
                        top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                        stop: str | Sequence[str] | None = None, draft: str | None = None,
-                       gamma: int | None = None, request_id: str | None = None,
+                       gamma: int | str | None = None, request_id: str | None = None,
                        timeout: float | None = _DEFAULT) -> Result:
         """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
         req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -510,7 +525,7 @@ class AsyncSpecdClient(_Base):
                max_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: str | Sequence[str] | None = None, draft: str | None = None,
-               gamma: int | None = None, request_id: str | None = None,
+               gamma: int | str | None = None, request_id: str | None = None,
                timeout: float | None = _DEFAULT) -> AsyncIterator[Chunk]:
         """Stream a completion as Chunk deltas: `async for chunk in client.stream(...)`.
 

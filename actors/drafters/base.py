@@ -36,6 +36,9 @@ class DraftSeq:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0  # seeds the drafter's own generator for this sequence on first contact
+    # Coupled sampling (a seeded request): draft the token at view position i as
+    # argmax(log q_i + gumbel_noise(seed, i)), the noise the target uses (see sampling.py).
+    coupled: bool = False
     # Target final hidden states for committed tokens, for feature-level drafters
     # (EAGLE-style heads): hidden[i] belongs to token view[hidden_start + i]. Only
     # filled when the drafter sets `wants_hidden`.
@@ -52,8 +55,12 @@ class Proposal:
     num_draft: list[int]  # [B], 0 <= num_draft[b] <= gamma_b
     # Draft distributions the tokens were sampled from, processed with the row's
     # temperature/top-k/top-p exactly as the target's will be; None for
-    # deterministic drafters (q is one-hot at the drafted token).
+    # deterministic drafters (q is one-hot at the drafted token). Rows that are greedy or
+    # coupled need none (their verification is an exact match).
     probs: torch.Tensor | None = None  # float32 [B, G, V]
+    # The draft's K likeliest tokens at each drafted position, when the drafter was asked
+    # (ModelDrafter.record_topk): a draft server uses them to guess the verifier's verdict.
+    topk: torch.Tensor | None = None  # int64 [B, G, K]
 
 
 class Drafter(ABC):
@@ -64,11 +71,14 @@ class Drafter(ABC):
       asynchronous  `propose_async` returns before the drafts exist (they are computed
                     elsewhere, e.g. on a draft replica), so the engine can overlap them with
                     a target pass; otherwise it proposes in the calling thread.
+      free_drafting proposing costs next to nothing (n-gram lookup): the speculation policy
+                    may shadow-draft with it on every step.
     """
 
     name: str = "drafter"
     wants_hidden: bool = False
     asynchronous: bool = False
+    free_drafting: bool = False
 
     @abstractmethod
     def propose(self, seqs: list[DraftSeq]) -> Proposal:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..llama import LlamaRunner
-from ..sampling import process_logits, sample
+from ..sampling import coupled_scores, gumbel_noise, process_logits, sample
 from .base import KV_HEADROOM, Drafter, DraftSeq, Proposal, apply_view
 
 
@@ -37,6 +37,8 @@ class ModelDrafter(Drafter):
         self.views: dict[int, list[int]] = {}
         self.gens: dict[int, torch.Generator] = {}
         self.free = list(range(max_batch))
+        self._noise_gen = torch.Generator(device=runner.device)  # re-seeded per (request, position)
+        self.record_topk = 0  # > 0: proposals carry the K likeliest tokens per position (Proposal.topk)
 
     @classmethod
     def truncated(cls, target_hf, num_layers: int, **kw) -> "ModelDrafter":
@@ -62,7 +64,13 @@ class ModelDrafter(Drafter):
         inv = [order.index(b) for b in range(B)]
         s_slots = [slots[b] for b in order]
 
-        sampled = [b for b, s in enumerate(seqs) if s.temperature > 0]
+        sampled = [b for b, s in enumerate(seqs) if s.temperature > 0 and not s.coupled]
+        coupled = [b for b, s in enumerate(seqs) if s.temperature > 0 and s.coupled]
+        if coupled:
+            ctemp = torch.tensor([seqs[b].temperature for b in coupled])
+            ctop_k = torch.tensor([seqs[b].top_k for b in coupled], dtype=torch.long)
+            ctop_p = torch.tensor([seqs[b].top_p for b in coupled])
+            base = [len(self.views[seqs[b].seq_id]) for b in coupled]  # position of each row's first draft
         if sampled:
             temp = torch.tensor([seqs[b].temperature for b in sampled])
             top_k = torch.tensor([seqs[b].top_k for b in sampled], dtype=torch.long)
@@ -74,9 +82,14 @@ class ModelDrafter(Drafter):
 
         tokens = torch.zeros(B, G, dtype=torch.long)
         vmap = self.vocab_map
+        K = self.record_topk
+        topk = torch.zeros(B, G, K, dtype=torch.long) if K else None
         for j in range(G):
             logits = self.runner.logits(last).float()  # [B, R]
             tok = logits.argmax(-1)  # head rows
+            if K:
+                top = logits.topk(min(K, logits.shape[-1]), dim=-1).indices  # [B, K] head rows
+                topk[:, j, :top.shape[1]] = top if vmap is None else vmap[top]
             # Rows draw only while j < their own γ: a request's randomness is its own.
             live = [i for i, b in enumerate(sampled) if j < seqs[b].gamma]
             if live:
@@ -87,6 +100,13 @@ class ModelDrafter(Drafter):
                     probs[rows, j] = q
                 else:  # tokens outside the head get q = 0: still an exact rejection-sampling q
                     probs[rows, j] = torch.zeros(len(rows), self.vocab_size).index_copy_(1, vmap, q)
+            live = [i for i, b in enumerate(coupled) if j < seqs[b].gamma]
+            if live:  # the draft at position p: argmax(log q + g_p), g_p the target's own noise there
+                rows = [coupled[i] for i in live]
+                q = process_logits(logits[rows], ctemp[live], ctop_k[live], ctop_p[live])  # [Bc, R]
+                noise = torch.stack([gumbel_noise(seqs[b].seed, [base[i] + j], self.vocab_size, q.device,
+                                                  self._noise_gen)[0] for i, b in zip(live, rows)])  # [Bc, V]
+                tok[rows] = coupled_scores(q, noise if vmap is None else noise[:, vmap]).argmax(-1)
             tok = tok if vmap is None else vmap[tok]  # target token ids
             tokens[:, j] = tok
             if j + 1 < G:  # the last draft is proposed, not fed: the target verifies it
@@ -94,7 +114,7 @@ class ModelDrafter(Drafter):
         num_draft = [s.gamma for s in seqs]
         for b, s in enumerate(seqs):
             self.views[s.seq_id].extend(tokens[b, :num_draft[b]].tolist())
-        return Proposal(tokens=tokens, num_draft=num_draft, probs=probs)
+        return Proposal(tokens=tokens, num_draft=num_draft, probs=probs, topk=topk)
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
         """Roll each row back to `keep`, feed the committed tokens it has not seen, and return
@@ -131,6 +151,14 @@ class ModelDrafter(Drafter):
             hidden = self.runner.forward(self.cache, [slots[b] for b in rows], feed, num)  # [R, W, E]
             last[rows] = hidden[torch.arange(len(rows)), torch.tensor(num) - 1]
         return last
+
+    def set_view(self, seq_id: int, tokens: list[int], kv_valid: int) -> None:
+        """Replace a sequence's view and keep only the first `kv_valid` positions of its KV (which
+        must hold `tokens[:kv_valid]`): a draft server that explored alternative continuations
+        puts the sequence back where the verifier believes it is."""
+        slot = self.slots[seq_id]
+        self.views[seq_id] = list(tokens)
+        self.cache.truncate(slot, min(self.cache.lengths[slot], kv_valid))
 
     def release(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)

@@ -15,6 +15,7 @@ from .base import Drafter, DraftSeq, Proposal, apply_view
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    free_drafting = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1, lookahead: int | None = None):
         if not 1 <= min_n <= max_n:

@@ -6,7 +6,7 @@ Configurations, run interleaved per prompt chunk so machine noise hits all alike
   hf-prompt-lookup   `generate(prompt_lookup_num_tokens=...)`, HF's n-gram analogue (batch 1 only)
   engine             this engine with γ = 0
   engine+SPEC        this engine, speculative with drafter SPEC at a fixed γ
-  engine+SPEC adaptive-γ   the same, γ chosen per step for goodput (actors/gamma.py)
+  engine+SPEC γ=auto       the same, γ chosen per step by the speculation policy (actors/policy.py)
 Also: the cost of a verify pass over T tokens relative to one token, a profile of
 one decode step, and how close a target pass comes to the memory-bandwidth floor.
 """
@@ -169,7 +169,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
         configs.append((bs, "engine", "engine", None))
         configs += [(bs, f"engine+{s}", "engine", s) for s in drafts if s != "none"]
         if adaptive:
-            configs += [(bs, f"engine+{s} adaptive-γ", "engine-adaptive", s) for s in drafts if s != "none"]
+            configs += [(bs, f"engine+{s} γ=auto", "engine-adaptive", s) for s in drafts if s != "none"]
 
     rows = {(bs, name): {"batch": bs, "config": name, "tokens": 0, "seconds": 0.0, "stats": SpecStats(),
                          "agree": [0, 0], "exact": [0, 0]} for bs, name, _, _ in configs}
@@ -238,9 +238,9 @@ def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants
         return _hf_generate(hf, tok, batch, max_tokens, eos, assistant_model=assistants[spec]), None
     if kind == "hf-lookup":
         return _hf_generate(hf, tok, batch, max_tokens, eos, prompt_lookup_num_tokens=gamma), None
-    eng.set_adaptive_gamma(kind == "engine-adaptive")
-    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens),
-                    SpeculationParams(draft=spec or "none", gamma=gamma if spec else 0)) for i, p in enumerate(batch)]
+    g = ("auto" if kind == "engine-adaptive" else gamma) if spec else 0
+    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens), SpeculationParams(draft=spec or "none", gamma=g))
+            for i, p in enumerate(batch)]
     done = eng.generate(reqs)
     stats = SpecStats()
     for c in done:

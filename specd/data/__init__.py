@@ -2,6 +2,8 @@
 
   prompts.jsonl          the benchmark prompts (20 chat, 18 code); held out of every draft's training
   distill_prompts.jsonl  the distillation corpus (chat, code, math; `make_distill_corpus.py` rebuilds it)
+  repetitive.jsonl       16 prompts whose answers repeat their input (code edits, quoting, reformatting):
+                         where prompt lookup pays, so the speculation policy must turn it on
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "prompts.jsonl"
 DISTILL_CORPUS = HERE / "distill_prompts.jsonl"
+REPETITIVE = HERE / "repetitive.jsonl"
 
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:

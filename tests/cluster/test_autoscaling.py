@@ -39,7 +39,7 @@ def config() -> ClusterConfig:
         "verifier": {"max_batch": 8, "graceful_shutdown_timeout_s": 120,
                      "resources": {"custom": {"large_accel": 1}},
                      "autoscaling": {**FAST, "target_ongoing_requests": N_LONG}},
-        "drafts": [{"name": DRAFT, "spec": DRAFT, "max_batch": 32, "resources": {"custom": {"small_accel": 1}},
+        "drafts": [{"name": DRAFT, "spec": DRAFT, "placement": "remote", "default_gamma": 4, "max_batch": 32, "resources": {"custom": {"small_accel": 1}},
                     "autoscaling": {**FAST, "target_ongoing_requests": 0.75}}]})
 
 

@@ -29,10 +29,10 @@ def cluster(start_cluster):
         "router": {"max_queue": 3, "max_tokens": 128, "default_max_tokens": 16, "default_draft": "ngram"},
         "verifier": {"max_batch": 4, "resources": {"custom": {"large_accel": 1}}},
         "drafts": [{"name": "ngram", "spec": "ngram"},
-                   {"name": "truncated:4", "spec": "truncated:4", "max_batch": 4,
+                   {"name": "truncated:4", "spec": "truncated:4", "placement": "remote", "max_batch": 4,
                     "resources": {"custom": {"small_accel": 1}}},
                    # the shipped EAGLE head on its own replica: target hidden states cross over
-                   {"name": "eagle", "spec": "default", "max_batch": 4,
+                   {"name": "eagle", "spec": "default", "placement": "remote", "max_batch": 4,
                     "resources": {"custom": {"small_accel": 1}}}]})
     return start_cluster(cfg, timeout=60)[1]
 

@@ -30,7 +30,7 @@ def cluster(start_cluster):
                    "default_draft": DRAFT},
         "verifier": {"max_batch": 8, "pipeline": True, "resources": {"custom": {"large_accel": 1}}},
         "drafts": [{"name": "ngram", "spec": "ngram"},
-                   {"name": DRAFT, "spec": DRAFT, "max_batch": 16, "resources": {"custom": {"small_accel": 1}}}]}
+                   {"name": DRAFT, "spec": DRAFT, "placement": "remote", "overlap": False, "max_batch": 16, "resources": {"custom": {"small_accel": 1}}}]}
     addr, client = start_cluster(cfg, timeout=90)
     ADDRESS.append(addr)
     return client

@@ -24,7 +24,8 @@ def nodes(start_cluster):
         "model": "tiny", "dtype": "fp32", "max_len": 128, "grpc_port": 0, "http_port": 0,
         "router": {"max_tokens": 16, "default_max_tokens": 8, "default_draft": "truncated:2"},
         "verifier": {"max_batch": 2, "resources": {"custom": {"large_accel": 1}}},
-        "drafts": [{"name": "truncated:2", "spec": "truncated:2", "max_batch": 2,
+        "drafts": [{"name": "truncated:2", "spec": "truncated:2", "placement": "remote", "default_gamma": 2,
+                    "max_batch": 2,
                     "resources": {"custom": {"small_accel": 1}},
                     "autoscaling": {"min_replicas": 2, "max_replicas": 2}}]})
     addr, _ = start_cluster(cfg, address=c.address)

@@ -158,3 +158,54 @@ def test_concurrent_calls_are_one_drafter_batch(tiny):
         assert got["proposal"].num_draft == want.num_draft
         assert [got["proposal"].tokens[i, :k].tolist() for i, k in enumerate(want.num_draft)] == \
             [want.tokens[i, :k].tolist() for i, k in enumerate(want.num_draft)]
+
+
+# --------------------------------------------------------------------------- #
+# Overlap: the next block drafted for the likeliest verdicts while the target verifies
+# --------------------------------------------------------------------------- #
+class SettledHandle(FakeHandle):
+    """Lets the replicas finish preparing before each call, so hits do not depend on timing."""
+
+
+def overlapped(tiny, layers: int, rid: str = "a", **kw) -> DraftServer:
+    d = ModelDrafter.truncated(tiny.model, layers, max_batch=4, max_len=MAX_LEN)
+    return DraftServer(d, rid, overlap=True, **kw)
+
+
+def run_settled(eng, rep, reqs):
+    keys = {eng.add_request(r): r.request_id for r in reqs}
+    out = {rid: [] for rid in keys.values()}
+    while eng.has_work():
+        rep.settle()
+        for k, d in eng.step().items():
+            out[keys[k]] += d.token_ids
+    return out
+
+
+@pytest.mark.parametrize("layers", [4, 2])
+def test_overlapped_drafting_is_lossless_and_hits_when_the_verdict_is_likely(tiny, refs, layers):
+    """truncated:4 is the whole tiny target: every block is accepted and its bonus is the draft's
+    own next token, so the prepared 'all accepted + top bonus' verdict hits on (nearly) every
+    call. truncated:2 is a weak draft: fewer hits. Greedy output equals HF either way."""
+    rep = overlapped(tiny, layers)
+    rd = RemoteDrafter(handle({"a": rep}), "remote")
+    eng = engine(tiny, rd)
+    out = run_settled(eng, rep, [request(f"r{i}", p, "remote", 3, max_tokens=30) for i, p in enumerate(PROMPTS)])
+    assert [out[f"r{i}"] for i in range(4)] == refs
+    st = rep.stats()
+    assert st["overlap"] and st["prepared_branches"] > 0
+    if layers == 4:
+        assert st["hit_rate"] > 0.8 and rd.prepared_rows == st["prepared_hits"]
+    assert rep.drafter.num_active() == 0
+
+
+def test_overlapped_sampling_keeps_seeded_tokens(tiny):
+    """Coupled rows: a prepared block is the one the draft would have drafted, so a seeded
+    request's tokens are the same with overlap on, off, and without a draft."""
+    params = dict(max_tokens=24, temperature=0.8, seed=99)
+    plain = run(engine(tiny, RemoteDrafter(handle({"a": replica(tiny, "a", 4)}), "remote")),
+                [request("x", PROMPTS[1], **params)])["x"].token_ids
+    rep = overlapped(tiny, 4)
+    got = run_settled(engine(tiny, RemoteDrafter(handle({"a": rep}), "remote")), rep,
+                      [request("x", PROMPTS[1], "remote", 3, **params)])["x"]
+    assert got == plain and rep.hits > 0

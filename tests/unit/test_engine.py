@@ -387,10 +387,20 @@ def law_pvalues(toks: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
 DIST_CASES = [(None, 0), ("self", 3), ("draft", 3), ("ngram", 3)]
 
 
+@pytest.fixture(params=["coupled", "rejection"])
+def rule(request, monkeypatch):
+    """Seeded requests use coupled acceptance; unseeded ones rejection sampling. The tests
+    need fixed seeds for both, so "rejection" makes seeded requests take that path."""
+    if request.param == "rejection":
+        monkeypatch.setattr(Request, "coupled", property(lambda self: False))
+    return request.param
+
+
 @pytest.mark.parametrize("name,gamma", DIST_CASES, ids=[f"{d}-g{g}" for d, g in DIST_CASES])
-def test_sampled_distribution_equals_target(small_models, exact_law, name, gamma):
-    """2000 seeded requests at temperature 1: the joint law of (t1, t2) and the marginals of
-    t3 and t4 match the target's exact ancestral-sampling law.
+def test_sampled_distribution_equals_target(small_models, exact_law, name, gamma, rule):
+    """2000 seeded requests at temperature 1, for each acceptance rule (coupled Gumbel-max and
+    rejection sampling): the joint law of (t1, t2) and the marginals of t3 and t4 match the
+    target's exact ancestral-sampling law.
 
     t1 is sampled after prefill; t2..t4 come out of the first verify step (accepted drafts,
     the recovered token at the first rejection, or the bonus), so this covers acceptance at
@@ -441,6 +451,7 @@ def test_sampled_distribution_planted_bug_is_detected(small_models, exact_law, m
     """The distribution check above rejects a verifier with a planted bug overwhelmingly
     (p < 1e-9 on at least one statistic, against the 1e-3 the correct engine must pass),
     so it has the power to catch real acceptance-rule errors at this sample size."""
+    monkeypatch.setattr(Request, "coupled", property(lambda self: False))  # the rejection-sampling path
     monkeypatch.setattr(engine_mod, "verify_sampled", buggy_verify_sampled(mode))
     target, draft = small_models
     toks, _ = sample_first_tokens(target, draft, "draft", 3, seed0=10_000)
@@ -699,3 +710,17 @@ def test_check_draft_compatible(tiny, tiny_draft):
     with pytest.raises(ValueError, match="different tokenizer"):
         check_draft_compatible(a, b)
     check_draft_compatible(a, LoadedModel(tiny_draft.model, Tok({"a": 0, "b": 1}), "c"))
+
+
+def test_coupled_distribution_planted_bug_is_detected(small_models, exact_law, monkeypatch):
+    """Coupled acceptance is only exact if every position gets fresh noise: the planted bug
+    keys the noise by the seed alone (one Gumbel vector reused at every position), which
+    correlates the tokens of a request, and the joint law of (t1, t2) rejects it."""
+    real = engine_mod.gumbel_noise
+    monkeypatch.setattr(engine_mod, "gumbel_noise",
+                        lambda seed, positions, vocab, device="cpu", generator=None:
+                        real(seed, [0] * len(positions), vocab, device, generator))
+    target, draft = small_models
+    toks, _ = sample_first_tokens(target, draft, "ngram", 3, seed0=10_000)
+    p = law_pvalues(toks, exact_law)
+    assert min(p.values()) < 1e-9, p

@@ -1,0 +1,220 @@
+"""Measure the hardware at load: what a target pass costs, by batch and tokens per row.
+
+Whether speculation pays depends on the machine. On a CPU with native bf16 matmuls (AMX,
+AVX-512-BF16) a bf16 pass over 5 tokens costs ~1.1x one token; on an AVX2-only CPU it costs
+~2.6x, and 16 rows cost 7.5x one row in bf16 but 3.2x in fp32. So an engine measures, while it
+loads, the target's pass cost t(B, T) over a small grid of B rows x T tokens per row, in each
+dtype it may use, caches the result per hardware and model (a later load on the same machine
+reuses it), and the speculation policy (`policy.py`) and the dtype choice read it.
+
+`hardware()` is the fingerprint every benchmark JSON records too: CPU model and the flags that
+decide bf16 speed (AMX, AVX-512-BF16, AVX-512, AVX2), or the GPU's name.
+
+Does not know: drafters' acceptance or requests; only what a pass costs.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
+BATCHES = (1, 2, 4, 8, 16, 32)  # the grid, capped at the engine's max_batch (which is always included)
+TOKENS = (1, 2, 3, 5, 9)  # tokens per row: 1 + γ for γ = 0, 1, 2, 4, 8
+CONTEXT = 128  # positions already in each row's KV while timing
+
+
+def hardware(device: str | torch.device = "cpu") -> dict:
+    """What this process computes on: the GPU's name, or the CPU model and its matmul flags,
+    plus the torch version and intra-op threads (both change pass costs)."""
+    dev = torch.device(device)
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        return {**info, "device": "cuda", "name": torch.cuda.get_device_name(dev)}
+    name, flags, ident = platform.processor() or "cpu", set(), {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            key, val = key.strip(), val.strip()
+            if key == "model name" and name in ("cpu", platform.processor()):
+                name = val
+            elif key in ("cpu family", "model", "stepping") and key not in ident:
+                ident[key] = val
+            elif key == "flags" and not flags:
+                flags = set(val.split())
+    except OSError:  # not Linux: the model name alone
+        pass
+    return {**info, "device": "cpu", "name": name, **{k.replace(" ", "_"): v for k, v in ident.items()},
+            "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count()}
+
+
+def hardware_line(hw: dict) -> str:
+    """One line for logs and GetStats: 'AMD EPYC (avx2, fma), 2 cores, 1 thread'."""
+    if not hw:
+        return ""
+    if hw.get("device") == "cuda":
+        return f"{hw['name']} (cuda), torch {hw['torch']}"
+    return (f"{hw.get('name', 'cpu')} ({', '.join(hw.get('flags', [])) or 'no avx2'}), {hw.get('cores')} cores, "
+            f"{hw.get('threads')} thread{'s' if hw.get('threads', 1) != 1 else ''}, torch {hw.get('torch')}")
+
+
+def native_bf16(hw: dict) -> bool:
+    """Whether bf16 matmuls run natively (a GPU, or AMX / AVX-512-BF16 on a CPU)."""
+    return hw["device"] == "cuda" or bool({"amx_bf16", "avx512_bf16"} & set(hw.get("flags", ())))
+
+
+@dataclass
+class PassCost:
+    """t(B, T): seconds of one target pass (forward + LM head) over B rows of T new tokens,
+    measured on a grid; bilinear in between, linear beyond the largest T and B."""
+    points: dict[tuple[int, int], float]  # (B, T) -> seconds
+    dtype: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.bs = sorted({b for b, _ in self.points})
+        self.ts = sorted({t for _, t in self.points})
+
+    @staticmethod
+    def _bracket(xs: list[int], x: float) -> tuple[int, int, float]:
+        i = bisect.bisect_left(xs, x)
+        if i < len(xs) and xs[i] == x:
+            return xs[i], xs[i], 0.0
+        if i == 0:
+            return xs[0], xs[0], 0.0
+        if i == len(xs):  # extrapolate with the last segment
+            i = len(xs) - 1
+        lo, hi = xs[i - 1], xs[i]
+        return lo, hi, (x - lo) / (hi - lo)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        b0, b1, fb = self._bracket(self.bs, rows)
+        t0, t1, ft = self._bracket(self.ts, tokens)
+        p = self.points
+        at_b0 = p[b0, t0] + (p[b0, t1] - p[b0, t0]) * ft
+        at_b1 = p[b1, t0] + (p[b1, t1] - p[b1, t0]) * ft
+        return max(at_b0 + (at_b1 - at_b0) * fb, 1e-6)
+
+    def per_token(self, rows: int) -> float:
+        """Seconds per generated token when `rows` sequences decode one token each."""
+        return self(rows, 1) / rows
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "meta": self.meta,
+                "points": [[b, t, s] for (b, t), s in sorted(self.points.items())]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PassCost":
+        return cls({(b, t): s for b, t, s in d["points"]}, d.get("dtype", ""), d.get("meta", {}))
+
+
+def grid(max_batch: int) -> list[tuple[int, int]]:
+    bs = sorted({b for b in BATCHES if b < max_batch} | {max_batch})
+    return [(b, t) for b in bs for t in TOKENS]
+
+
+def measure(runner, max_batch: int, reps: int = 2, context: int = CONTEXT, progress=None) -> PassCost:
+    """Time the runner over the grid (min of `reps` interleaved runs, after one warm-up)."""
+    points = grid(max_batch)
+    rows = max(b for b, _ in points)
+    cache = runner.new_cache(rows, context + max(TOKENS) + 1)
+    dev = runner.device
+    g = torch.Generator().manual_seed(0)
+    runner.forward(cache, list(range(rows)), torch.randint(0, runner.vocab_size, (rows, context), generator=g).to(dev))
+    feeds = {t: torch.randint(0, runner.vocab_size, (rows, t), generator=g).to(dev) for t in TOKENS}
+    best: dict[tuple[int, int], float] = {}
+    for rep in range(reps + 1):
+        for b, t in points:
+            for s in range(b):
+                cache.truncate(s, context)
+            _sync(dev)
+            t0 = time.perf_counter()
+            runner.logits(runner.forward(cache, list(range(b)), feeds[t][:b]))
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            if rep:  # the first round warms up
+                best[b, t] = min(best.get((b, t), dt), dt)
+            if progress is not None:
+                progress()
+    return PassCost(best, str(runner.dtype).replace("torch.", ""))
+
+
+def _sync(dev) -> None:
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def cache_path(key: dict) -> Path:
+    from .models import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "calibration" / f"{digest}.json"
+
+
+def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int = 2,
+               use_cache: bool = True) -> PassCost:
+    """The pass-cost grid of this runner on this hardware: from the cache when this hardware,
+    model, dtype, thread count and grid were measured before, else measured now and cached."""
+    key = {"hardware": hardware(device), "model": model_name, "dtype": str(runner.dtype),
+           "layers": runner.num_layers, "grid": grid(max_batch), "context": CONTEXT}
+    path = cache_path(key)
+    if use_cache and path.exists():
+        try:
+            cost = PassCost.from_json(json.loads(path.read_text()))
+            cost.meta = {**cost.meta, "cached": str(path)}
+            return cost
+        except (ValueError, KeyError):
+            pass  # a broken cache file: measure again
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        cost = measure(runner, max_batch, reps)
+    cost.meta = {"key": key, "measured_s": time.perf_counter() - t0, "measured_at": time.time()}
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cost.to_json(), indent=1))
+        os.replace(tmp, path)
+    return cost
+
+
+def draft_step_seconds(drafter, context: list[int], hidden: torch.Tensor | None = None, reps: int = 15,
+                       seq_id: int = -1) -> float:
+    """Median seconds of one draft step, measured through `Drafter.propose` alone: each call
+    rolls the view back by one token and re-feeds it (the same catch-up every time), so
+    (propose γ=3 − propose γ=1) / 2 is the marginal cost of one drafted token.
+    hidden [len(context) - 1, E]: the target's hidden states, for feature drafters."""
+    from .drafters.base import DraftSeq
+
+    def call(keep: int, new: list[int], gamma: int, h=None) -> float:
+        t0 = time.perf_counter()
+        drafter.propose([DraftSeq(seq_id=seq_id, keep=keep, new_tokens=new, gamma=gamma, hidden=h,
+                                  hidden_start=0)])
+        return time.perf_counter() - t0
+
+    call(0, list(context), 1, hidden if drafter.wants_hidden else None)
+    n = len(context)
+    t1, t3 = [], []
+    try:
+        for _ in range(reps):
+            t1.append(call(n - 1, [context[-1]], 1))
+            t3.append(call(n - 1, [context[-1]], 3))
+    finally:
+        drafter.release(seq_id)
+    med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
+    return max(med(t3) - med(t1), 0.0) / 2
+
+
+def choose_dtype(costs: dict[str, PassCost], expected_batch: int) -> tuple[str, str]:
+    """The dtype whose decode step costs least per token at the expected batch, and why.
+    Lossless dtypes only: the caller never offers a quantized target."""
+    per_token = {dt: c.per_token(expected_batch) for dt, c in costs.items()}
+    best = min(per_token, key=per_token.get)
+    why = ", ".join(f"{dt} {s * 1e3:.1f} ms/token" for dt, s in sorted(per_token.items(), key=lambda kv: kv[1]))
+    return best, f"{best}: least time per token at batch {expected_batch} (max_batch) — {why}"

@@ -1,0 +1,179 @@
+"""The speculation policy (`gamma: auto`): per step, how many tokens each drafter proposes.
+
+Speculation pays only when the extra tokens in a verify pass cost less than the accepted drafts
+save, and that depends on the hardware (`calibrate.PassCost`, measured at load), the load (B
+rows in the pass) and the live acceptance. Each step, for the rows whose γ is `auto`:
+
+    choose γ_d per drafter d to maximise   E[tokens] / E[seconds]
+    E[tokens]  = Σ_rows (1 + Σ_{j < γ_row} a_d[j])         a_d[j] = P(the first j+1 drafts accepted)
+    E[seconds] = t(B, 1 + max_row γ_row) + Σ_d γ_d · s_d    t: calibrated pass cost, s_d: draft step
+
+(rows are padded to the widest in one pass, hence the max), by coordinate ascent over drafters;
+γ_d = 0 switches speculation off. Rows with a fixed γ keep it and count in the pass width.
+
+Acceptance is estimated per drafter and draft position from verified steps and from *shadow*
+drafts: while a drafter is off, it still proposes now and then without being verified, and its
+proposals are compared with the tokens the target then commits (for a deterministic or coupled
+draft, "the draft equals what the target emitted" is exactly "it would have been accepted").
+A shadow draft costs no target time at all, and for the n-gram drafter no time at all, so the
+policy can stay off where drafts are poor and notice at once when they start to pay. Model
+drafters shadow only as often as a small budget of their drafting time allows. Decisions use a
+lower confidence bound on acceptance, so thin evidence never switches speculation on.
+
+Greedy output never depends on γ. A seeded sampled request's tokens do not either: seeded rows
+use coupled acceptance (`sampling.verify_coupled`), whose output is a function of the seed and
+the position only.
+
+Does not know: models or sequences; the engine feeds it counts and seconds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .calibrate import PassCost
+
+AUTO_MAX_GAMMA = 8  # the most the policy proposes per step (the calibrated grid reaches 1 + 8 tokens)
+PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0  # a cautious prior for a position never observed
+Z = 1.0  # one standard error below the estimate: thin evidence does not switch speculation on
+
+
+@dataclass
+class DrafterEstimate:
+    acc: list[float] = field(default_factory=lambda: [0.0] * AUTO_MAX_GAMMA)  # accepted at j (decayed)
+    seen: list[float] = field(default_factory=lambda: [0.0] * AUTO_MAX_GAMMA)  # reached position j (decayed)
+    step_s: float | None = None  # seconds per drafted position per step (EMA); None: not measured yet
+    gamma: int = 0  # the last choice
+    steps: int = 0  # steps with rows of this drafter
+    steps_on: int = 0  # of which speculated (γ > 0)
+    shadow_drafts: int = 0
+    verified_drafts: int = 0
+    since_shadow: int = 0
+
+    def conditional(self, j: int, lcb: bool) -> float:
+        """P(accept position j | positions < j accepted): decayed counts with a prior."""
+        n = self.seen[j] + PRIOR_WEIGHT
+        p = (self.acc[j] + PRIOR_ACCEPT * PRIOR_WEIGHT) / n
+        return max(0.0, p - Z * math.sqrt(p * (1 - p) / n)) if lcb else p
+
+    def accept_curve(self, lcb: bool = True) -> list[float]:
+        """a[j] = P(the first j+1 drafts are all accepted)."""
+        out, run = [], 1.0
+        for j in range(AUTO_MAX_GAMMA):
+            run *= self.conditional(j, lcb)
+            out.append(run)
+        return out
+
+
+class SpeculationPolicy:
+    def __init__(self, cost: PassCost, decay: float = 0.02, shadow_budget: float = 0.02):
+        """decay: weight lost per observation by older evidence (tracks a changing context);
+        shadow_budget: share of the step time a model drafter may spend on shadow drafts."""
+        self.cost, self.decay, self.shadow_budget = cost, decay, shadow_budget
+        self.est: dict[str, DrafterEstimate] = {}
+        self.scale = 1.0  # measured / calibrated pass time (EMA): the machine may be busier now
+        self.last_pass_s = cost(1, 1)
+
+    def estimate(self, drafter: str) -> DrafterEstimate:
+        return self.est.setdefault(drafter, DrafterEstimate())
+
+    # ---- choosing ------------------------------------------------------------------------------
+    def choose(self, rows: list[tuple[str | None, int, bool]]) -> list[int]:
+        """rows: per row of the pass (drafter or None, γ cap, auto). Returns γ per row: a fixed
+        row keeps its cap; auto rows get their drafter's chosen γ (within their cap)."""
+        B = len(rows)
+        fixed_w = max((cap for d, cap, auto in rows if d is not None and not auto), default=0)
+        groups: dict[str, list[int]] = {}
+        for d, cap, auto in rows:
+            if d is not None and auto and cap > 0:
+                groups.setdefault(d, []).append(min(cap, AUTO_MAX_GAMMA))
+        base = sum(1 + sum(self.estimate(d).accept_curve(lcb=False)[:cap]) if d is not None and not auto else 1
+                   for d, cap, auto in rows)
+        curves = {d: self.estimate(d).accept_curve(lcb=True) for d in groups}
+
+        def rate(g: dict[str, int]) -> float:
+            tokens = base + sum(sum(curves[d][:min(g[d], c)]) for d, caps in groups.items() for c in caps)
+            width = max([fixed_w] + [min(g[d], max(caps)) for d, caps in groups.items()])
+            secs = self.scale * self.cost(B, 1 + width) + sum(g[d] * (self.estimate(d).step_s or 0.0)
+                                                              for d in groups)
+            return tokens / secs
+
+        g = {d: 0 for d in groups}
+        best = rate(g)
+        for _ in range(2):  # coordinate ascent; two rounds settle with a few drafters
+            for d, caps in groups.items():
+                for cand in range(0, max(caps) + 1):
+                    trial = {**g, d: cand}
+                    r = rate(trial)
+                    if r > best * (1 + 1e-9):
+                        g, best = trial, r
+        for d in groups:
+            e = self.estimate(d)
+            e.gamma = g[d]
+            e.steps += 1
+            e.steps_on += g[d] > 0
+        return [min(cap, g[d]) if d is not None and auto and d in g else (cap if d is not None else 0)
+                for d, cap, auto in rows]
+
+    def wants_shadow(self, drafter: str, free: bool) -> bool:
+        """Whether the rows of an (auto, switched-off) drafter should shadow-draft this step:
+        always when drafting is free (n-gram), else within the shadow budget."""
+        e = self.estimate(drafter)
+        if e.gamma > 0:
+            return False
+        if free:
+            return True
+        e.since_shadow += 1
+        period = 1 if not e.step_s else math.ceil(AUTO_MAX_GAMMA * e.step_s /
+                                                   (self.shadow_budget * self.scale * self.last_pass_s))
+        if e.since_shadow >= period:
+            e.since_shadow = 0
+            return True
+        return False
+
+    # ---- learning ------------------------------------------------------------------------------
+    def _observe(self, e: DrafterEstimate, drafted: int, accepted: int) -> None:
+        keep = 1 - self.decay
+        for j in range(min(drafted, AUTO_MAX_GAMMA)):
+            if j > accepted:
+                break  # never reached: the first rejection ends the block
+            e.seen[j] = e.seen[j] * keep + 1
+            e.acc[j] = e.acc[j] * keep + (j < accepted)
+
+    def observe_verified(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float) -> None:
+        """One verify step of one drafter: per row, drafts proposed and accepted; the drafting time."""
+        e = self.estimate(drafter)
+        for k, a in zip(drafted, accepted):
+            if k:
+                self._observe(e, k, a)
+                e.verified_drafts += 1
+        self.observe_draft_time(drafter, max(drafted, default=0), draft_s)
+
+    def observe_shadow(self, drafter: str, drafted: int, matched: int) -> None:
+        """A shadow draft of `drafted` tokens whose first `matched` equal what the target committed."""
+        e = self.estimate(drafter)
+        self._observe(e, drafted, matched)
+        e.shadow_drafts += 1
+
+    def observe_draft_time(self, drafter: str, width: int, seconds: float) -> None:
+        if width <= 0:
+            return
+        e = self.estimate(drafter)
+        s = seconds / width
+        e.step_s = s if e.step_s is None else 0.9 * e.step_s + 0.1 * s
+
+    def observe_pass(self, rows: int, tokens: int, seconds: float) -> None:
+        """A measured verify pass: keeps the calibrated costs in the machine's current units."""
+        self.last_pass_s = seconds
+        ratio = seconds / self.cost(rows, tokens)
+        self.scale = 0.95 * self.scale + 0.05 * min(max(ratio, 0.2), 5.0)
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"pass_scale": self.scale, "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in
+                                                           sorted(self.cost.points.items())},
+                "drafters": {d: {"gamma": e.gamma, "speculated_share": e.steps_on / e.steps if e.steps else 0.0,
+                                 "steps": e.steps, "speculated_steps": e.steps_on, "accept_curve": [round(x, 3) for x in e.accept_curve(False)[:4]],
+                                 "draft_step_ms": None if e.step_s is None else e.step_s * 1e3,
+                                 "shadow_drafts": e.shadow_drafts, "verified_drafts": e.verified_drafts}
+                             for d, e in self.est.items()}}
