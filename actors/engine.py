@@ -244,6 +244,7 @@ class SpecEngine:
         fl = self.launch_drafts(seqs, asynchronous=False)
         fl.resolve()
         t1 = time.perf_counter()
+        self.observe_drafting(fl)
         drafts = self.set_aside_shadows(seqs, fl.drafts, fl.shadow)
         self.verify(seqs, drafts, fl.probs, fl.group_s, [t1 - t0] * len(seqs), outputs)
         self.stats.draft_s += t1 - t0
@@ -276,6 +277,13 @@ class SpecEngine:
             for s in seqs:
                 s.flight = fl
         return fl
+
+    def observe_drafting(self, fl: Flight) -> None:
+        """Tell the policy what each drafter's call cost (shadow drafts included: their cost is
+        what the policy budgets), per drafted position."""
+        if self.policy is not None:
+            for name, rows, sec in fl.group_s:
+                self.policy.observe_draft_time(name, max((len(fl.drafts[b]) for b in rows), default=0), sec)
 
     def set_aside_shadows(self, seqs: list[Sequence], drafts: list[list[int]], shadow: list[bool]) -> list[list[int]]:
         """Shadow drafts are not verified: each is kept on its sequence, to be compared with the
@@ -327,11 +335,10 @@ class SpecEngine:
         n_acc_l, out_l = n_acc.tolist(), out.tolist()
         if self.policy is not None:
             self.policy.observe_pass(B, G + 1, t2 - t1)
-            for name, rows, sec in group_s:
+            for name, rows, _ in group_s:
                 rows = [b for b in rows if drafts[b]]
                 if rows:
-                    self.policy.observe_verified(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows],
-                                                 sec)
+                    self.policy.observe_verified(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows])
         for b, s in enumerate(seqs):
             a = n_acc_l[b]
             # KV now holds [.., last, d_1..d_k]; keep [.., last, d_1..d_a].

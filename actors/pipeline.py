@@ -57,6 +57,7 @@ class MicroBatches:
                 mine.append(s.flight)
         for f in mine + ([local_fl] if local_fl else []):
             f.resolve()
+            engine.observe_drafting(f)
         t2 = time.perf_counter()
         rows = sorted(mbs[cur] + local, key=lambda s: s.slot)
         drafts, probs, group_s, draft_s = [], {}, [], []

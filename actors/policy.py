@@ -140,14 +140,13 @@ class SpeculationPolicy:
             e.seen[j] = e.seen[j] * keep + 1
             e.acc[j] = e.acc[j] * keep + (j < accepted)
 
-    def observe_verified(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float) -> None:
-        """One verify step of one drafter: per row, drafts proposed and accepted; the drafting time."""
+    def observe_verified(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
+        """One verify step of one drafter: per row, drafts proposed and accepted."""
         e = self.estimate(drafter)
         for k, a in zip(drafted, accepted):
             if k:
                 self._observe(e, k, a)
                 e.verified_drafts += 1
-        self.observe_draft_time(drafter, max(drafted, default=0), draft_s)
 
     def observe_shadow(self, drafter: str, drafted: int, matched: int) -> None:
         """A shadow draft of `drafted` tokens whose first `matched` equal what the target committed."""
@@ -156,6 +155,7 @@ class SpeculationPolicy:
         e.shadow_drafts += 1
 
     def observe_draft_time(self, drafter: str, width: int, seconds: float) -> None:
+        """One call of a drafter that proposed up to `width` tokens per row in `seconds`."""
         if width <= 0:
             return
         e = self.estimate(drafter)

@@ -35,7 +35,7 @@ def trained(policy: SpeculationPolicy, drafter: str, alpha: float, drafted: int 
     rng = random.Random(0)
     for _ in range(steps):
         accepted = next((j for j in range(drafted) if rng.random() >= alpha), drafted)
-        policy.observe_verified(drafter, [drafted], [accepted], draft_s=0.0)
+        policy.observe_verified(drafter, [drafted], [accepted])
 
 
 def test_pass_cost_grid_interpolates_and_extrapolates():
