@@ -36,7 +36,7 @@ from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
 from .policy import SpeculationPolicy
-from .sampling import coupled_scores, gumbel_noise, process_logits, sample, verify_greedy, verify_sampled
+from .sampling import coupled_scores, gumbel_noise, new_generator, process_logits, sample, verify_greedy, verify_sampled
 from .schema import AUTO, Completion, Delta, Limits, Request, SpecStats, validate
 from .sequence import Sequence
 from .text import TextStream
@@ -69,6 +69,7 @@ class SpecEngine:
         self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
         gammas = {name: (default_gamma or {}).get(name, AUTO) for name in self.drafters}
         self.limits = Limits(context=max_len, max_tokens=max_len - 1, vocab_size=target.vocab_size, drafts=gammas)
+        self.device = target.device
         self.cache = target.new_cache(max_batch, max_len + KV_HEADROOM)
         self.waiting: deque[tuple[int, Request]] = deque()
         self.active: dict[int, Sequence] = {}  # key -> sequence holding a KV slot
@@ -81,11 +82,12 @@ class SpecEngine:
                 pass_cost = measure(target, max_batch, reps=1)
         self.pass_cost = pass_cost
         self.policy = SpeculationPolicy(pass_cost) if pass_cost is not None else None
-        self._noise_gen = torch.Generator(device=target.device)  # coupled sampling, re-seeded per position
+        self._noise_gen = new_generator(target.device)  # coupled sampling, re-seeded per position
         self.info: dict = {"dtype": str(target.dtype).replace("torch.", "")}  # what it runs on, and why
         # Target hidden states of committed tokens, per slot, for feature-level drafters
         # (EAGLE heads): they reach the drafter with the rollback information.
-        self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, target.hidden_size, dtype=target.dtype)
+        self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, target.hidden_size, dtype=target.dtype,
+                                       device=target.device)
                            if any(d.wants_hidden for d in self.drafters.values()) else None)  # [S, P, E]
         self.micro = MicroBatches(on=pipeline)
 
@@ -172,7 +174,7 @@ class SpecEngine:
             text = TextStream(self.tokenizer, req.prompt_ids, p.stop) if self.tokenizer is not None else None
             self.active[key] = Sequence(key=key, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
                                         num_prompt=len(req.prompt_ids), seed=seed,
-                                        gen=torch.Generator().manual_seed(seed), text=text)
+                                        gen=new_generator(self.device).manual_seed(seed), text=text)
 
     def _prefill(self, outputs: dict[int, Delta]) -> None:
         """Feed prompt chunks, oldest prompt first, up to `prefill_chunk` tokens in all; each
@@ -196,10 +198,9 @@ class SpecEngine:
         done, last = [], []
         for grp in groups:
             nums = [n for _, n in grp]
-            feed = torch.zeros(len(grp), max(nums), dtype=torch.long)  # [B, W]
-            for b, (s, n) in enumerate(grp):
-                feed[b, :n] = torch.tensor(s.tokens[s.prefilled:s.prefilled + n], dtype=torch.long)
-            hidden = self.target.forward(self.cache, [s.slot for s, _ in grp], feed, nums)  # [B, W, E]
+            W = max(nums)
+            feed = torch.tensor([s.tokens[s.prefilled:s.prefilled + n] + [0] * (W - n) for s, n in grp])  # [B, W]
+            hidden = self.target.forward(self.cache, [s.slot for s, _ in grp], feed.to(self.device), nums)  # [B, W, E]
             for b, (s, n) in enumerate(grp):
                 if self.hidden_buf is not None:
                     self._keep_hidden(s, hidden[b, :n])
@@ -219,7 +220,8 @@ class SpecEngine:
         self.batcher.prefill_tokens += sum(n for _, n in rows)
 
     def _sample_one(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """logits [B, V] -> one token per row (greedy argmax, or a draw from the processed target)."""
+        """logits [B, V] -> one token per row (greedy argmax, or a draw from the processed target);
+        the step's one transfer to the host."""
         toks = logits.argmax(-1)  # [B]
         coupled = [b for b, s in enumerate(seqs) if s.req.coupled]
         if coupled:
@@ -228,15 +230,16 @@ class SpecEngine:
         if rows:
             p = self._process(logits[rows], [seqs[b] for b in rows])  # [Bs, V]
             toks[rows] = sample(p, [seqs[b].gen for b in rows])
-        return toks.tolist()
+        return self._to_host(toks)
 
     @staticmethod
     def _process(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
         return process_logits(
             logits,
-            torch.tensor([s.req.sampling.temperature for s in seqs]),
-            torch.tensor([s.req.sampling.top_k for s in seqs], dtype=torch.long),
-            torch.tensor([s.req.sampling.top_p for s in seqs]))
+            torch.tensor([s.req.sampling.temperature for s in seqs], device=dev),
+            torch.tensor([s.req.sampling.top_k for s in seqs], dtype=torch.long, device=dev),
+            torch.tensor([s.req.sampling.top_p for s in seqs], device=dev))
 
     def _speculate(self, seqs: list[Sequence], outputs: dict[int, Delta]) -> None:
         """The plain step: draft for every decoding sequence, then verify them all in one pass."""
@@ -309,16 +312,13 @@ class SpecEngine:
         B = len(seqs)
         t1 = time.perf_counter()
         G = max(len(d) for d in drafts)
-        feed = torch.zeros(B, G + 1, dtype=torch.long)  # [B, G+1]: last committed token, then drafts
-        draft_t = torch.zeros(B, G, dtype=torch.long)  # [B, G]
-        for b, (s, d) in enumerate(zip(seqs, drafts)):
-            feed[b, 0] = s.tokens[-1]
-            if d:
-                draft_t[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        feed[:, 1:] = draft_t
-        num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long)  # [B]
+        # One host-to-device copy: [last committed token, drafts..., padding] and each row's draft count.
+        host = torch.tensor([[s.tokens[-1], *d] + [0] * (G - len(d)) + [len(d)] for s, d in zip(seqs, drafts)])
+        host = host.to(self.device, non_blocking=True)  # [B, G+2]
+        feed, num_draft = host[:, :G + 1], host[:, G + 1]  # [B, G+1], [B]
+        draft_t = feed[:, 1:]  # [B, G]
         starts = [self.cache.lengths[s.slot] for s in seqs]
-        hidden = self.target.forward(self.cache, [s.slot for s in seqs], feed, (num_draft + 1).tolist())  # [B, G+1, E]
+        hidden = self.target.forward(self.cache, [s.slot for s in seqs], feed, [len(d) + 1 for d in drafts])  # [B, G+1, E]
         logits = self.target.logits(hidden).float()  # [B, G+1, V]
 
         n_acc, out = verify_greedy(logits, draft_t, num_draft)  # [B], [B, G+1]
@@ -331,8 +331,9 @@ class SpecEngine:
             self._verify_sampled(seqs, sampled, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out)
         t2 = time.perf_counter()
 
-        # Roll back and commit.
-        n_acc_l, out_l = n_acc.tolist(), out.tolist()
+        # Roll back and commit. The step's one device-to-host transfer: accepted counts and tokens.
+        res = self._to_host(torch.cat([n_acc[:, None], out], 1))  # [B, 1 + G+1]
+        n_acc_l, out_l = [r[0] for r in res], [r[1:] for r in res]
         if self.policy is not None:
             self.policy.observe_pass(B, G + 1, t2 - t1)
             for name, rows, _ in group_s:
@@ -356,6 +357,12 @@ class SpecEngine:
         self.batcher.rows_verified += B
         self.batcher.verify_s += time.perf_counter() - t1
 
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> list:
+        """A pass's one device-to-host transfer (its results: tokens and accepted counts). Nothing
+        else in a step reads a device tensor on the host."""
+        return t.tolist()
+
     def _coupled_scores(self, logits: torch.Tensor, seqs: list[Sequence], width: int) -> torch.Tensor:
         """logits [Bc, W, V] -> log p + g for each row's next W positions (coupled sampling)."""
         p = self._process(logits, seqs)  # [Bc, W, V]
@@ -370,13 +377,13 @@ class SpecEngine:
         p_target = self._process(logits[rows], sub)  # [Bs, G+1, V]
         q = None
         if any(b in draft_probs for b in rows):
-            q = torch.zeros(len(rows), G, V)  # [Bs, G, V]
+            q = torch.zeros(len(rows), G, V, device=logits.device)  # [Bs, G, V]
             for i, b in enumerate(rows):
                 k = len(drafts[b])
                 if b in draft_probs:
-                    q[i, :k] = draft_probs[b]
+                    q[i, :k] = draft_probs[b].to(q.device)
                 elif k:  # a deterministic drafter in a mixed batch: one-hot q
-                    q[i, torch.arange(k), draft_t[b, :k]] = 1.0
+                    q[i, :k].scatter_(-1, draft_t[b, :k, None], 1.0)
         # Verify each row at its own draft length, so its random draws (k uniforms + one
         # sample per step) do not depend on the rest of the batch: a seed reproduces the output.
         by_len: dict[int, list[int]] = {}

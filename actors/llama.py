@@ -131,11 +131,14 @@ class LlamaRunner:
             w_down=mlp.down_proj.weight.detach(),
         )
 
-    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
-        """The cache is fp32 by default even for bf16 weights: on CPU, fp32 attention over a
-        small cache is ~3x faster than bf16 (no native bf16 softmax) and rounds less."""
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """The cache dtype defaults to fp32 on a CPU even for bf16 weights (fp32 attention over a
+        small cache is ~3x faster there, with no native bf16 softmax, and rounds less), and to the
+        model's dtype on a GPU (bf16 KV halves the bytes every attention reads)."""
         if max_len > self.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {self.max_position}")
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device)
 
     @torch.inference_mode()

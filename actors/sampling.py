@@ -64,7 +64,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["process_logits", "verify_greedy", "verify_sampled", "sample", "gumbel_noise", "coupled_scores"]
+__all__ = ["process_logits", "verify_greedy", "verify_sampled", "sample", "gumbel_noise", "coupled_scores",
+           "new_generator"]
 
 # First candidate count tried for top-p rows (see process_logits).
 _TOP_P_FIRST_K = 256
@@ -74,6 +75,23 @@ def _require(cond: bool, msg: str) -> None:
     """Precondition check that survives ``python -O`` (unlike ``assert``)."""
     if not cond:
         raise ValueError(msg)
+
+
+def new_generator(device: torch.device | str) -> torch.Generator:
+    """A generator on `device` (random draws happen where the tensors live). The meta device,
+    used to check a step's shape and device flow without data, has none: a CPU one stands in."""
+    device = torch.device(device)
+    return torch.Generator() if device.type == "meta" else torch.Generator(device=device)
+
+
+def _require_all(cond: torch.Tensor, msg: str) -> None:
+    """A precondition on tensor values. On the CPU it is checked at once (a host read costs
+    nothing there); on an accelerator it is queued with the kernels (`torch._assert_async`), so
+    validation never makes the host wait for the device."""
+    if cond.device.type == "cpu":
+        _require(bool(cond.all()), msg)
+    elif cond.device.type != "meta":
+        torch._assert_async(cond.all(), msg)
 
 
 def _check_generators(generators: Sequence[torch.Generator], B: int) -> None:
@@ -122,13 +140,13 @@ def process_logits(
     _require(temperature.is_floating_point(), f"temperature must be float, got {temperature.dtype}")
     _require(top_k.dtype == torch.int64, f"top_k must be int64, got {top_k.dtype}")
     _require(top_p.is_floating_point(), f"top_p must be float, got {top_p.dtype}")
-    _require(
-        bool((temperature > 0).all()),
+    _require_all(
+        temperature > 0,
         "temperature must be > 0 for every row given to process_logits "
         "(handle greedy rows with verify_greedy / argmax instead)",
     )
-    _require(bool((top_k >= 0).all()), "top_k must be >= 0 (0 = disabled)")
-    _require(bool(((top_p > 0) & (top_p <= 1)).all()), "top_p must lie in (0, 1] (1.0 = disabled)")
+    _require_all(top_k >= 0, "top_k must be >= 0 (0 = disabled)")
+    _require_all((top_p > 0) & (top_p <= 1), "top_p must lie in (0, 1] (1.0 = disabled)")
 
     bshape = (B,) + (1,) * (logits.dim() - 1)  # per-row params broadcast over [..., V]
     x = logits.float() / temperature.float().view(bshape)  # [B, ..., V]
@@ -138,15 +156,20 @@ def process_logits(
     p_thr = top_p.float()  # [B]
     use_k = k < V  # [B]
     use_p = p_thr < 1.0  # [B]
-    if not bool((use_k | use_p).any()):
+    on_host = logits.device.type == "cpu"
+    if on_host and not bool((use_k | use_p).any()):
         return probs  # fast path: no filtering anywhere, no sort / top-k at all
 
     # Both filters only ever keep a prefix of the tokens sorted by probability, so
     # instead of sorting all V tokens (~0.5 s for 144 x 49152 on 2 CPU cores) take
     # the K largest as candidates and grow K (x8, up to V) only while some top-p
-    # row's nucleus might extend beyond them. Top-k rows need K >= k.
-    k_min = int(k[use_k].max()) if bool(use_k.any()) else 1
-    K = min(V, max(k_min, _TOP_P_FIRST_K) if bool(use_p.any()) else k_min)
+    # row's nucleus might extend beyond them. Top-k rows need K >= k. On an
+    # accelerator the full sort is cheap and needs no host decision: K = V at once.
+    if on_host:
+        k_min = int(k[use_k].max()) if bool(use_k.any()) else 1
+        K = min(V, max(k_min, _TOP_P_FIRST_K) if bool(use_p.any()) else k_min)
+    else:
+        K = V
     kb = k.view(bshape)  # [B, 1.., 1]
     pb = p_thr.view(bshape)  # [B, 1.., 1]
     use_pb = use_p.view(bshape)  # [B, 1.., 1]
@@ -166,7 +189,7 @@ def process_logits(
         # A top-p row is settled once its candidates reach top_p (tokens beyond them
         # have mass_before >= top_p) or hold its whole top-k set.
         settled = ~use_pb | (cum[..., -1:] >= pb) | (kb <= K)  # [B, ..., 1]
-        if K == V or bool(settled.all()):
+        if K == V or bool(settled.all()):  # (K == V on an accelerator: no host read)
             break
         K = min(V, K * 8)
 
@@ -207,9 +230,9 @@ def _check_verify_args(
         f"{tuple(num_draft.shape) if isinstance(num_draft, torch.Tensor) else type(num_draft).__name__}",
     )
     _require(num_draft.dtype == torch.int64, f"num_draft must be int64, got {num_draft.dtype}")
-    _require(
-        bool(((num_draft >= 0) & (num_draft <= G)).all()),
-        f"num_draft must satisfy 0 <= num_draft <= G={G}, got {num_draft.tolist()}",
+    _require_all(
+        (num_draft >= 0) & (num_draft <= G),
+        f"num_draft must satisfy 0 <= num_draft <= G={G}",
     )
     return B, G, V
 
@@ -288,8 +311,8 @@ def verify_sampled(
     q = draft_probs.float() if draft_probs is not None else None  # [B, G, V] or None
     pos = torch.arange(G, device=device)  # [G]
     valid = pos < num_draft[:, None]  # [B, G]
-    _require(
-        bool((((draft_tokens >= 0) & (draft_tokens < V)) | ~valid).all()),
+    _require_all(
+        ((draft_tokens >= 0) & (draft_tokens < V)) | ~valid,
         f"draft_tokens within num_draft must lie in [0, V={V})",
     )
     tok = torch.where(valid, draft_tokens, 0)  # [B, G] safe gather index
@@ -375,7 +398,7 @@ def gumbel_noise(
 ) -> torch.Tensor:  # [len(positions), vocab] float32 standard Gumbel noise
     """Noise keyed by (seed, position) only: the same numbers for the same request position,
     whatever the batch, the draft length or the process that draws them."""
-    g = generator if generator is not None else torch.Generator(device=device)
+    g = generator if generator is not None else new_generator(device)
     out = torch.empty(len(positions), vocab, device=device)
     tiny = torch.finfo(torch.float32).tiny
     for i, pos in enumerate(positions):

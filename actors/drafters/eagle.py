@@ -215,7 +215,7 @@ class EagleDrafter(ModelDrafter):
         E = runner.hidden_size
         # Target features of committed tokens, per slot; real[seq]: head KV positions that were
         # computed from real features (the rest were fed drafted features and are recomputed).
-        self.feat = torch.zeros(max_batch, max_len + KV_HEADROOM, E, dtype=runner.dtype)
+        self.feat = torch.zeros(max_batch, max_len + KV_HEADROOM, E, dtype=runner.dtype, device=runner.device)
         self.feat_len: dict[int, int] = {}
         self.real: dict[int, int] = {}
 
@@ -226,7 +226,8 @@ class EagleDrafter(ModelDrafter):
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
         B = len(seqs)
-        last = torch.empty(B, self.runner.hidden_size, dtype=self.runner.dtype)
+        dev = self.runner.device
+        last = torch.empty(B, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
         jobs = []  # (row, slot, first position to feed, view)
         for b, (s, slot) in enumerate(zip(seqs, slots)):
             view = apply_view(self.views[s.seq_id], s.keep, s.new_tokens)
@@ -236,7 +237,8 @@ class EagleDrafter(ModelDrafter):
                 if s.hidden_start > have:
                     raise ValueError(f"sequence {s.seq_id}: hidden states start at {s.hidden_start}, "
                                      f"the draft holds only {have}")
-                self.feat[slot, s.hidden_start:s.hidden_start + len(s.hidden)] = s.hidden.to(self.feat.dtype)
+                self.feat[slot, s.hidden_start:s.hidden_start + len(s.hidden)] = s.hidden.to(self.feat.device,
+                                                                                             self.feat.dtype)
                 have = self.feat_len[s.seq_id] = s.hidden_start + len(s.hidden)
             if have < n:
                 raise ValueError(f"draft {self.name!r} needs the target's hidden states for the first {n} "
@@ -252,10 +254,10 @@ class EagleDrafter(ModelDrafter):
         for grp in groups:
             num = [len(view) - real for _, _, real, view in grp]
             W = max(num)
-            emb_in = torch.zeros(len(grp), W, self.runner.hidden_size, dtype=self.runner.dtype)
+            emb_in = torch.zeros(len(grp), W, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
             for i, (b, slot, real, view) in enumerate(grp):
-                toks = torch.tensor(view[real:], dtype=torch.long)
-                prev = torch.zeros(len(toks), self.runner.hidden_size, dtype=self.feat.dtype)
+                toks = torch.tensor(view[real:], dtype=torch.long, device=dev)
+                prev = torch.zeros(len(toks), self.runner.hidden_size, dtype=self.feat.dtype, device=dev)
                 lo = max(real - 1, 0)
                 prev[lo - (real - 1):] = self.feat[slot, lo:len(view) - 1]  # h_{p-1}; zeros for p = 0
                 emb_in[i, :num[i]] = self._inputs(toks, prev)

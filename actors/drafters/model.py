@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..llama import LlamaRunner
-from ..sampling import coupled_scores, gumbel_noise, process_logits, sample
+from ..sampling import coupled_scores, gumbel_noise, new_generator, process_logits, sample
 from .base import KV_HEADROOM, Drafter, DraftSeq, Proposal, apply_view
 
 
@@ -37,7 +37,7 @@ class ModelDrafter(Drafter):
         self.views: dict[int, list[int]] = {}
         self.gens: dict[int, torch.Generator] = {}
         self.free = list(range(max_batch))
-        self._noise_gen = torch.Generator(device=runner.device)  # re-seeded per (request, position)
+        self._noise_gen = new_generator(runner.device)  # re-seeded per (request, position)
         self.record_topk = 0  # > 0: proposals carry the K likeliest tokens per position (Proposal.topk)
 
     @classmethod
@@ -51,7 +51,8 @@ class ModelDrafter(Drafter):
                 raise RuntimeError(f"draft {self.name!r} has no free KV slot ({self.cache.slots} in use)")
             slot = self.slots[s.seq_id] = self.free.pop(0)
             self.views[s.seq_id] = []
-            self.gens[s.seq_id] = torch.Generator().manual_seed((s.seed * 1_000_003 + 17) % (1 << 63))
+            self.gens[s.seq_id] = new_generator(self.runner.device).manual_seed(
+                (s.seed * 1_000_003 + 17) % (1 << 63))
         return slot
 
     @torch.inference_mode()
@@ -64,26 +65,27 @@ class ModelDrafter(Drafter):
         inv = [order.index(b) for b in range(B)]
         s_slots = [slots[b] for b in order]
 
+        dev = self.runner.device
         sampled = [b for b, s in enumerate(seqs) if s.temperature > 0 and not s.coupled]
         coupled = [b for b, s in enumerate(seqs) if s.temperature > 0 and s.coupled]
         if coupled:
-            ctemp = torch.tensor([seqs[b].temperature for b in coupled])
-            ctop_k = torch.tensor([seqs[b].top_k for b in coupled], dtype=torch.long)
-            ctop_p = torch.tensor([seqs[b].top_p for b in coupled])
+            ctemp = torch.tensor([seqs[b].temperature for b in coupled], device=dev)
+            ctop_k = torch.tensor([seqs[b].top_k for b in coupled], dtype=torch.long, device=dev)
+            ctop_p = torch.tensor([seqs[b].top_p for b in coupled], device=dev)
             base = [len(self.views[seqs[b].seq_id]) for b in coupled]  # position of each row's first draft
         if sampled:
-            temp = torch.tensor([seqs[b].temperature for b in sampled])
-            top_k = torch.tensor([seqs[b].top_k for b in sampled], dtype=torch.long)
-            top_p = torch.tensor([seqs[b].top_p for b in sampled])
+            temp = torch.tensor([seqs[b].temperature for b in sampled], device=dev)
+            top_k = torch.tensor([seqs[b].top_k for b in sampled], dtype=torch.long, device=dev)
+            top_p = torch.tensor([seqs[b].top_p for b in sampled], device=dev)
             gens = [self.gens[seqs[b].seq_id] for b in sampled]
-            probs = torch.zeros(B, G, self.vocab_size)
+            probs = torch.zeros(B, G, self.vocab_size, device=dev)  # [B, G, V]
         else:
             probs = None
 
-        tokens = torch.zeros(B, G, dtype=torch.long)
+        tokens = torch.zeros(B, G, dtype=torch.long, device=dev)  # [B, G]
         vmap = self.vocab_map
         K = self.record_topk
-        topk = torch.zeros(B, G, K, dtype=torch.long) if K else None
+        topk = torch.zeros(B, G, K, dtype=torch.long, device=dev) if K else None  # [B, G, K]
         for j in range(G):
             logits = self.runner.logits(last).float()  # [B, R]
             tok = logits.argmax(-1)  # head rows
@@ -99,7 +101,7 @@ class ModelDrafter(Drafter):
                 if vmap is None:
                     probs[rows, j] = q
                 else:  # tokens outside the head get q = 0: still an exact rejection-sampling q
-                    probs[rows, j] = torch.zeros(len(rows), self.vocab_size).index_copy_(1, vmap, q)
+                    probs[rows, j] = torch.zeros(len(rows), self.vocab_size, device=dev).index_copy_(1, vmap, q)
             live = [i for i, b in enumerate(coupled) if j < seqs[b].gamma]
             if live:  # the draft at position p: argmax(log q + g_p), g_p the target's own noise there
                 rows = [coupled[i] for i in live]
@@ -112,8 +114,8 @@ class ModelDrafter(Drafter):
             if j + 1 < G:  # the last draft is proposed, not fed: the target verifies it
                 last = self._advance(s_slots, tok[order], last[order])[inv]
         num_draft = [s.gamma for s in seqs]
-        for b, s in enumerate(seqs):
-            self.views[s.seq_id].extend(tokens[b, :num_draft[b]].tolist())
+        for s, row in zip(seqs, tokens.tolist()):
+            self.views[s.seq_id].extend(row[:s.gamma])
         return Proposal(tokens=tokens, num_draft=num_draft, probs=probs, topk=topk)
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
@@ -139,17 +141,17 @@ class ModelDrafter(Drafter):
         never push a long sequence past its cache.
         """
         B = len(slots)
-        last = torch.empty(B, self.runner.hidden_size, dtype=self.runner.dtype)
+        dev = self.runner.device
+        last = torch.empty(B, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
         short = [b for b in range(B) if len(pending[b]) <= KV_HEADROOM]
         groups = ([sorted(short, key=lambda b: slots[b])] if short else []) + \
             [[b] for b in range(B) if len(pending[b]) > KV_HEADROOM]
         for rows in groups:
             num = [len(pending[b]) for b in rows]
-            feed = torch.zeros(len(rows), max(num), dtype=torch.long)
-            for i, b in enumerate(rows):
-                feed[i, :num[i]] = torch.tensor(pending[b], dtype=torch.long)
+            W = max(num)
+            feed = torch.tensor([pending[b] + [0] * (W - len(pending[b])) for b in rows], device=dev)  # [R, W]
             hidden = self.runner.forward(self.cache, [slots[b] for b in rows], feed, num)  # [R, W, E]
-            last[rows] = hidden[torch.arange(len(rows)), torch.tensor(num) - 1]
+            last[rows] = hidden[torch.arange(len(rows), device=dev), torch.tensor(num, device=dev) - 1]
         return last
 
     def set_view(self, seq_id: int, tokens: list[int], kv_valid: int) -> None:
