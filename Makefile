@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster protos clean
+.PHONY: setup demo demo-local test bench bench-cluster gpu-check protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,13 @@ bench: $(STAMP)
 # starts a local cluster, benchmarks it through the SDK against the in-process engine and HF, stops it
 bench-cluster: $(STAMP)
 	$(BIN)/specd bench --serve --json out/bench_cluster.json --plot out/bench_cluster.png
+
+# The engine on a GPU (specd/gpu_check.py): needs only actors/ and the machine's own Python with
+# PyTorch and transformers (no Ray, no pydantic, no venv). DEVICE=cpu is the dry run.
+DEVICE ?= cuda
+GPU_PY ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
+gpu-check:
+	$(GPU_PY) -m specd.gpu_check --device $(DEVICE) --out out
 
 protos: $(STAMP)
 	$(BIN)/python protos/regen.py

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import PassCost, calibrated, choose_dtype, hardware
+from .calibrate import TOKENS, PassCost, calibrated, choose_dtype, hardware
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from .llama import LlamaRunner
-from .models import LoadedModel, check_draft_compatible, load_model, vocab_fingerprint
+from .models import LoadedModel, check_draft_compatible, load_model, resolve_device, vocab_fingerprint
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
 DEFAULT_DRAFT_ROOT = Path(__file__).parent / "default_drafts"
@@ -127,22 +127,26 @@ class Built:
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 
 
-def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu",
-                calibrate: bool = True) -> tuple[LoadedModel, PassCost | None, str, str]:
+def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
+                decode_only: bool = False) -> tuple[LoadedModel, PassCost | None, str, str]:
     """The target in its dtype, with its calibrated pass cost. dtype "auto": measure bf16 and
     fp32 on this hardware (cached per hardware and model, see calibrate.py) and keep the one
     that decodes fastest per token at `max_batch` rows. Never a lossy (quantized) target.
+    decode_only: time one-token passes only (a draft replica choosing its dtype).
     Returns (model, pass cost or None, dtype, why)."""
+    tokens = (1,) if decode_only else TOKENS
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    device = resolve_device(device)
     if dtype != "auto":
         target = load_model(model, dtype, device)
-        cost = calibrated(LlamaRunner(target.model), target.name, max_batch, device) if calibrate else None
+        cost = calibrated(LlamaRunner(target.model), target.name, max_batch, device, tokens=tokens) \
+            if calibrate else None
         return target, cost, dtype, f"{dtype}: as configured"
     costs, loaded = {}, {}
     for dt in ("bf16", "fp32"):
         t = load_model(model, dt, device)
-        costs[dt] = calibrated(LlamaRunner(t.model), t.name, max_batch, device)
+        costs[dt] = calibrated(LlamaRunner(t.model), t.name, max_batch, device, tokens=tokens)
         loaded[dt] = t
     best, why = choose_dtype(costs, max_batch)
     return loaded[best], costs[best], best, why
@@ -151,10 +155,14 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu",
 def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "auto",
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
                  extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
-                 prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None) -> Built:
+                 prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
+                 compile: bool = False) -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
-    dtype: "auto" (see `load_target`), "bf16" or "fp32". The rest as `SpecEngine` takes them."""
+    dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
+    one), "cpu", "cuda" or "cuda:N"; compile: torch.compile the target's layer math (opt-in).
+    The rest as `SpecEngine` takes them."""
+    device = resolve_device(device)
     target, cost, dt, why = load_target(model, dtype, max_batch, device)
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
@@ -164,7 +172,10 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
         if d is not None:
             drafters[name] = d
     drafters.update(extra_drafters or {})
-    engine = SpecEngine(LlamaRunner(target.model), drafters, tokenizer=target.tokenizer,
+    runner = LlamaRunner(target.model)
+    if compile:
+        runner.compile()
+    engine = SpecEngine(runner, drafters, tokenizer=target.tokenizer,
                         eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
                         seq_id_base=seq_id_base, pipeline=pipeline, prefill_chunk=prefill_chunk,
                         default_gamma=default_gamma, pass_cost=cost)

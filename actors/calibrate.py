@@ -28,6 +28,7 @@ import torch
 FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 BATCHES = (1, 2, 4, 8, 16, 32)  # the grid, capped at the engine's max_batch (which is always included)
 TOKENS = (1, 2, 3, 5, 9)  # tokens per row: 1 + γ for γ = 0, 1, 2, 4, 8
+MAX_GRID_TOKENS = 64  # wider points are extrapolated (a pass that wide is compute-bound: linear in T)
 CONTEXT = 128  # positions already in each row's KV while timing
 
 
@@ -80,7 +81,7 @@ class PassCost:
 
     def __post_init__(self):
         self.bs = sorted({b for b, _ in self.points})
-        self.ts = sorted({t for _, t in self.points})
+        self.ts = {b: sorted(t for bb, t in self.points if bb == b) for b in self.bs}  # T measured per B
 
     @staticmethod
     def _bracket(xs: list[int], x: float) -> tuple[int, int, float]:
@@ -94,12 +95,13 @@ class PassCost:
         lo, hi = xs[i - 1], xs[i]
         return lo, hi, (x - lo) / (hi - lo)
 
+    def _at(self, b: int, tokens: int) -> float:
+        t0, t1, ft = self._bracket(self.ts[b], tokens)
+        return self.points[b, t0] + (self.points[b, t1] - self.points[b, t0]) * ft
+
     def __call__(self, rows: int, tokens: int) -> float:
         b0, b1, fb = self._bracket(self.bs, rows)
-        t0, t1, ft = self._bracket(self.ts, tokens)
-        p = self.points
-        at_b0 = p[b0, t0] + (p[b0, t1] - p[b0, t0]) * ft
-        at_b1 = p[b1, t0] + (p[b1, t1] - p[b1, t0]) * ft
+        at_b0, at_b1 = self._at(b0, tokens), self._at(b1, tokens)
         return max(at_b0 + (at_b1 - at_b0) * fb, 1e-6)
 
     def per_token(self, rows: int) -> float:
@@ -115,22 +117,32 @@ class PassCost:
         return cls({(b, t): s for b, t, s in d["points"]}, d.get("dtype", ""), d.get("meta", {}))
 
 
-def grid(max_batch: int) -> list[tuple[int, int]]:
+def grid(max_batch: int, tokens: tuple[int, ...] = TOKENS) -> list[tuple[int, int]]:
+    """The (B, T) points measured: B up to max_batch, T in `tokens`, B·T at most MAX_GRID_TOKENS
+    (every B keeps at least two T, so each row of the grid has a slope)."""
     bs = sorted({b for b in BATCHES if b < max_batch} | {max_batch})
-    return [(b, t) for b in bs for t in TOKENS]
+    pts = []
+    for b in bs:
+        ts = [t for t in tokens if b * t <= MAX_GRID_TOKENS] or [tokens[0]]
+        if len(ts) < 2 and len(tokens) > 1:
+            ts = list(tokens[:2])
+        pts += [(b, t) for t in ts]
+    return pts
 
 
-def measure(runner, max_batch: int, reps: int = 2, context: int = CONTEXT, progress=None) -> PassCost:
-    """Time the runner over the grid (min of `reps` interleaved runs, after one warm-up)."""
-    points = grid(max_batch)
+def measure(runner, max_batch: int, reps: int = 2, context: int = CONTEXT, progress=None,
+            tokens: tuple[int, ...] = TOKENS) -> PassCost:
+    """Time the runner over the grid (min of `reps` interleaved runs, after one warm-up pass)."""
+    points = grid(max_batch, tokens)
     rows = max(b for b, _ in points)
-    cache = runner.new_cache(rows, context + max(TOKENS) + 1)
+    cache = runner.new_cache(rows, context + max(tokens) + 1)
     dev = runner.device
     g = torch.Generator().manual_seed(0)
     runner.forward(cache, list(range(rows)), torch.randint(0, runner.vocab_size, (rows, context), generator=g).to(dev))
-    feeds = {t: torch.randint(0, runner.vocab_size, (rows, t), generator=g).to(dev) for t in TOKENS}
+    feeds = {t: torch.randint(0, runner.vocab_size, (rows, t), generator=g).to(dev) for t in tokens}
     best: dict[tuple[int, int], float] = {}
-    for rep in range(reps + 1):
+    runner.logits(runner.forward(cache, [0], feeds[tokens[0]][:1]))  # warm-up
+    for rep in range(1, reps + 1):
         for b, t in points:
             for s in range(b):
                 cache.truncate(s, context)
@@ -139,8 +151,7 @@ def measure(runner, max_batch: int, reps: int = 2, context: int = CONTEXT, progr
             runner.logits(runner.forward(cache, list(range(b)), feeds[t][:b]))
             _sync(dev)
             dt = time.perf_counter() - t0
-            if rep:  # the first round warms up
-                best[b, t] = min(best.get((b, t), dt), dt)
+            best[b, t] = min(best.get((b, t), dt), dt)
             if progress is not None:
                 progress()
     return PassCost(best, str(runner.dtype).replace("torch.", ""))
@@ -159,11 +170,12 @@ def cache_path(key: dict) -> Path:
 
 
 def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int = 2,
-               use_cache: bool = True) -> PassCost:
+               use_cache: bool = True, tokens: tuple[int, ...] = TOKENS) -> PassCost:
     """The pass-cost grid of this runner on this hardware: from the cache when this hardware,
-    model, dtype, thread count and grid were measured before, else measured now and cached."""
+    model, dtype, thread count and grid were measured before, else measured now and cached.
+    tokens=(1,) measures decoding alone (a draft replica choosing its dtype)."""
     key = {"hardware": hardware(device), "model": model_name, "dtype": str(runner.dtype),
-           "layers": runner.num_layers, "grid": grid(max_batch), "context": CONTEXT}
+           "layers": runner.num_layers, "grid": grid(max_batch, tokens), "context": CONTEXT}
     path = cache_path(key)
     if use_cache and path.exists():
         try:
@@ -174,7 +186,7 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
             pass  # a broken cache file: measure again
     t0 = time.perf_counter()
     with torch.inference_mode():
-        cost = measure(runner, max_batch, reps)
+        cost = measure(runner, max_batch, reps, tokens=tokens)
     cost.meta = {"key": key, "measured_s": time.perf_counter() - t0, "measured_at": time.time()}
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)

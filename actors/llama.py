@@ -183,11 +183,7 @@ class LlamaRunner:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
         for li, w in enumerate(self.layers):
-            h = _rms_norm(x, w.attn_norm, self.eps)
-            qkv = F.linear(h, w.wqkv, w.bqkv)  # [B, T, (H + 2Hkv) D]
-            q, k, v = qkv.view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)  # [B, T, *, D]
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+            q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin)  # [B, T, *, D]
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
             kc[slot_idx, positions] = k.to(kc.dtype)
             vc[slot_idx, positions] = v.to(vc.dtype)
@@ -196,13 +192,41 @@ class LlamaRunner:
             a = F.scaled_dot_product_attention(
                 q.transpose(1, 2).to(kc.dtype), keys.transpose(1, 2), vals.transpose(1, 2),
                 attn_mask=mask, enable_gqa=Hkv != H)  # [B, H, T, D]
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D).to(x.dtype), w.wo)
-            h = _rms_norm(x, w.mlp_norm, self.eps)
-            gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-            x = x + F.linear(F.silu(gate) * up, w.w_down)
+            x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down)
         for s, n in zip(slots, num_new):
             cache.lengths[s] += n
         return _rms_norm(x, self.norm, self.eps)
+
+    def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin):
+        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated."""
+        B, T = x.shape[:2]
+        h = _rms_norm(x, attn_norm, self.eps)
+        qkv = F.linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
+        q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
+            [self.n_heads, self.n_kv, self.n_kv], dim=2)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down):
+        """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]."""
+        B, T = x.shape[:2]
+        x = x + F.linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo)
+        h = _rms_norm(x, mlp_norm, self.eps)
+        gate, up = F.linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
+        return x + F.linear(F.silu(gate) * up, w_down)
+
+    def compile(self) -> "LlamaRunner":
+        """Opt-in: compile the dense math of a decoder layer (norms, fused projections, RoPE,
+        SwiGLU) with torch.compile, shapes dynamic in batch and tokens; the KV cache indexing and
+        attention stay eager. Inductor caches compiled code on disk (under the specd cache), so
+        a later run on the same machine starts warm. Off by default and in tests."""
+        import os
+
+        from .models import cache_dir
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        self._pre_attn = torch.compile(self._pre_attn, dynamic=True)
+        self._post_attn = torch.compile(self._post_attn, dynamic=True)
+        return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., E] -> logits [..., V] (in the model dtype)."""

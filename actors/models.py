@@ -54,6 +54,21 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when a GPU is visible, else "cpu"; "cpu", "cuda", "cuda:N" are checked."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "meta" or device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if ":" in device and int(device[5:]) >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+        return device
+    raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECD_CACHE", Path.home() / ".cache" / "specd"))
 
@@ -135,8 +150,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = resolve_dtype(dtype)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    device = resolve_device(device)
     if spec == EMBEDDED:
         path = ensure_embedded()
         name = "SmolLM2-135M-Instruct"

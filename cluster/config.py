@@ -118,6 +118,7 @@ class VerifierConfig(DeploymentSpec):
     pipeline: bool = Field(False, description="split sequences with remote drafts into two micro-batches and "
                            "verify one while the draft replicas propose for the other (greedy output unchanged; "
                            "VerifierServer.set_pipeline toggles it at run time)")
+    compile: bool = Field(False, description="torch.compile the target's layer math (cached on disk; opt-in)")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "
                                "prefill: running streams keep decoding while a long prompt is admitted)")
 
@@ -134,6 +135,9 @@ class ClusterConfig(_Strict):
     app_name: str = "specd"
     route_prefix: str = "/specd"
     model: str = Field("smollm2", description="target: 'smollm2', 'tiny[:SEED]' or a HF model directory")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="where models run: 'auto' (a GPU when the replica sees one), 'cpu', 'cuda', "
+                                    "'cuda:N'")
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto' measures "
                                                    "both on the hardware at load and keeps the faster at the "
                                                    "verifier's max_batch (never a quantized target)")

@@ -53,7 +53,8 @@ class VerifierServer:
         remote = {name: RemoteDrafter(handle, name, wants_hidden=spec_wants_hidden(specs.get(name, "")))
                   for name, handle in (draft_handles or {}).items()}
         built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
-                             extra_drafters=remote, pipeline=v.pipeline, prefill_chunk=v.prefill_chunk,
+                             device=cfg.device, compile=v.compile, extra_drafters=remote, pipeline=v.pipeline,
+                             prefill_chunk=v.prefill_chunk,
                              default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine

@@ -34,6 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="auto: measure both on this hardware at load (cached) and keep the faster")
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target's layer math (opt-in)")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
 
 
@@ -199,7 +201,8 @@ def _generate(args) -> int:
     from actors.text import encode_prompt
 
     messages = json.loads(args.messages_json) if args.messages_json else None
-    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len)
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len,
+                         device=args.device, compile=args.compile)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -258,7 +261,7 @@ def _bench(args) -> int:
     drafts = args.draft or ["ngram", "truncated:4"] + (["default"] if draft_meta("default") else [])
     report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
-                             hf_baselines=not args.no_hf, adaptive=not args.no_adaptive)
+                             hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device)
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))
@@ -386,7 +389,8 @@ def _demo_local(args) -> int:
     from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
     from actors.text import encode_prompt
 
-    built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len)
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len,
+                         device=args.device, compile=args.compile)
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft

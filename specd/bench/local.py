@@ -138,11 +138,11 @@ def bandwidth_floor(model) -> dict:
 
 def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: int = 4, dtype: str = "bf16",
               max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
-              hf_baselines: bool = True, progress: bool = True, adaptive: bool = True) -> dict:
+              hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto") -> dict:
     from tqdm import tqdm
 
     prompts = load_prompts(prompts_path)[:limit]
-    built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes))
+    built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device)
     eng, target = built.engine, built.target
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
@@ -222,7 +222,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
         res["speedup_vs_engine_gamma0"] = res["tokens_per_s"] / same["engine"] if same.get("engine") else None
 
     prof = step_profile(built, ids[0])
-    report = {"model": model, "dtype": dtype, "gamma": gamma, "max_tokens": max_tokens,
+    report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason,
+              "hardware": eng.info.get("hardware"), "gamma": gamma, "max_tokens": max_tokens,
               "prompts": len(ids), "threads": torch.get_num_threads(), "results": results,
               "verify_cost": verify_costs(eng.target), "decode_step_profile": prof,
               "bandwidth": bandwidth_floor(hf)}
