@@ -180,7 +180,7 @@ class LlamaRunner:
 
         cos = self.cos[positions][:, :, None, :]  # [B, T, 1, D]
         sin = self.sin[positions][:, :, None, :]
-        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        H, Hkv = self.n_heads, self.n_kv
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
         for li, w in enumerate(self.layers):
             q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin)  # [B, T, *, D]
