@@ -33,6 +33,7 @@ class Flight:
     blocked_s: float = 0.0  # an asynchronous-capable drafter called synchronously (plain step)
     # Filled by `resolve`:
     drafts: list[list[int]] | None = None  # per row, the proposed tokens
+    parents: dict[int, list[int]] = field(default_factory=dict)  # row -> tree parents (absent: a chain)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, V] draft distribution
     group_s: list[tuple[str, list[int], float]] = field(default_factory=list)  # (drafter, rows, seconds)
     wait_s: float = 0.0  # blocked on asynchronous answers
@@ -52,9 +53,12 @@ class Flight:
                 tg = time.perf_counter()
                 prop = wait()
                 self.group_s.append((name, rows, self.own_s.get(name, 0.0) + time.perf_counter() - tg))
+                tokens = prop.tokens.tolist()
                 for i, b in enumerate(rows):
                     k = prop.num_draft[i]
-                    drafts[b] = prop.tokens[i, :k].tolist()
+                    drafts[b] = tokens[i][:k]
+                    if prop.parents is not None and prop.parents[i] is not None and k:
+                        self.parents[b] = prop.parents[i][:k]
                     if prop.probs is not None and not self.seqs[b].req.sampling.greedy:
                         self.probs[b] = prop.probs[i, :k]
         except BaseException as e:
@@ -67,8 +71,9 @@ class Flight:
 
 
 def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter],
-           hidden_buf: torch.Tensor | None, asynchronous: bool) -> Flight:
-    """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none).
+           hidden_buf: torch.Tensor | None, asynchronous: bool, trees: list[int] | None = None) -> Flight:
+    """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none), as a
+    token tree of at most trees[b] nodes where that is > 0.
     asynchronous: asynchronous drafters only send their calls; otherwise every drafter
     proposes now. The drafters' views become committed + drafts (`draft_keep`)."""
     t0 = time.perf_counter()
@@ -79,7 +84,8 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0)
     for name, rows in groups.items():
         drafter = drafters[name]
-        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf) for b in rows]
+        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0)
+                 for b in rows]
         tg = time.perf_counter()
         if asynchronous or not drafter.asynchronous:
             wait = drafter.propose_async(dseqs)
@@ -93,10 +99,12 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     return fl
 
 
-def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None) -> DraftSeq:
+def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None,
+               tree: int = 0) -> DraftSeq:
     p = s.req.sampling
     ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
-                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled)
+                  temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
+                  tree=tree)
     if wants_hidden:
         ds.hidden_start = s.hid_sent
         ds.hidden = hidden_buf[s.slot, s.hid_sent:s.hid_len].clone()  # [n, E]

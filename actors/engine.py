@@ -32,7 +32,7 @@ import torch
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Flight, launch
-from .llama import LlamaRunner
+from .llama import LlamaRunner, TreeMask
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
 from .policy import SpeculationPolicy
@@ -90,6 +90,7 @@ class SpecEngine:
                                        device=target.device)
                            if any(d.wants_hidden for d in self.drafters.values()) else None)  # [S, P, E]
         self.micro = MicroBatches(on=pipeline)
+        self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
 
     # ---- configuration ------------------------------------------------------------------------
     @property
@@ -249,7 +250,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         self.observe_drafting(fl)
         drafts = self.set_aside_shadows(seqs, fl.drafts, fl.shadow)
-        self.verify(seqs, drafts, fl.probs, fl.group_s, [t1 - t0] * len(seqs), outputs)
+        self.verify(seqs, drafts, fl.probs, fl.group_s, [t1 - t0] * len(seqs), outputs, fl.parents)
         self.stats.draft_s += t1 - t0
         self.batcher.draft_s += t1 - t0
         self.batcher.draft_wait_s += fl.blocked_s + fl.wait_s
@@ -264,7 +265,7 @@ class SpecEngine:
         may still emit), mark shadow drafts for rows whose auto drafter is off, and ask the
         drafters (`drafting.launch`)."""
         rows = [(s.req.draft, min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
-        gammas = self.policy.choose(rows) if self.policy is not None else [cap for _, cap, _ in rows]
+        gammas = self.policy.choose(rows, self.tree_drafters) if self.policy is not None else [cap for _, cap, _ in rows]
         shadow = [False] * len(seqs)
         if self.policy is not None:
             wants: dict[str, bool] = {}
@@ -274,7 +275,10 @@ class SpecEngine:
                         wants[d] = self.policy.wants_shadow(d, free=self.drafters[d].free_drafting)
                     if wants[d]:
                         gammas[b], shadow[b] = cap, True
-        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous)
+        trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
+                 else self.policy.tree_for(s.req.draft) if s.req.auto_gamma and self.policy is not None else 0
+                 for b, s in enumerate(seqs)]
+        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees)
         fl.shadow = shadow
         if asynchronous:
             for s in seqs:
@@ -305,11 +309,13 @@ class SpecEngine:
     # ---- verification -------------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: dict[int, torch.Tensor],
                group_s: list[tuple[str, list[int], float]], draft_s: list[float],
-               outputs: dict[int, Delta]) -> None:
+               outputs: dict[int, Delta], parents: dict[int, list[int]] | None = None) -> None:
         """One batched target pass over every row's drafts, acceptance, rollback, commit.
         draft_probs: row -> [k, V] draft distribution (sampled rows of stochastic drafters);
-        group_s: (drafter, rows, seconds) for the adaptive policy; draft_s: seconds per row."""
+        group_s: (drafter, rows, seconds) for the policy; draft_s: seconds per row;
+        parents: row -> tree parents of its drafts (see Proposal.parents; absent: a chain)."""
         B = len(seqs)
+        parents = parents or {}
         t1 = time.perf_counter()
         G = max(len(d) for d in drafts)
         # One host-to-device copy: [last committed token, drafts..., padding] and each row's draft count.
@@ -317,45 +323,98 @@ class SpecEngine:
         host = host.to(self.device, non_blocking=True)  # [B, G+2]
         feed, num_draft = host[:, :G + 1], host[:, G + 1]  # [B, G+1], [B]
         draft_t = feed[:, 1:]  # [B, G]
+        tree = None
+        if parents:  # some rows are token trees: one tree mask, chains as one-child-per-node trees
+            tree = TreeMask.from_parents([parents.get(b, list(range(len(drafts[b])))) for b in range(B)], G + 1,
+                                         self.device)
         starts = [self.cache.lengths[s.slot] for s in seqs]
-        hidden = self.target.forward(self.cache, [s.slot for s in seqs], feed, [len(d) + 1 for d in drafts])  # [B, G+1, E]
+        hidden = self.target.forward(self.cache, [s.slot for s in seqs], feed, [len(d) + 1 for d in drafts],
+                                     tree=tree)  # [B, G+1, E]
         logits = self.target.logits(hidden).float()  # [B, G+1, V]
 
+        # Chains: accept the longest acceptable prefix (`sampling` rules).
         n_acc, out = verify_greedy(logits, draft_t, num_draft)  # [B], [B, G+1]
         coupled = [b for b, s in enumerate(seqs) if s.req.coupled]
         if coupled:  # seeded: exact matching on log p + g (the tokens depend on seed and position only)
-            scores = self._coupled_scores(logits[coupled], [seqs[b] for b in coupled], G + 1)  # [Bc, G+1, V]
+            depth = tree.depth[coupled] if tree is not None else None
+            scores = self._coupled_scores(logits[coupled], [seqs[b] for b in coupled], G + 1, depth)  # [Bc, G+1, V]
             n_acc[coupled], out[coupled] = verify_greedy(scores, draft_t[coupled], num_draft[coupled])
-        sampled = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy and not s.req.coupled]
+        sampled = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy and not s.req.coupled
+                   and b not in parents]
         if sampled:
             self._verify_sampled(seqs, sampled, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out)
+        # Trees: each node's choice (argmax, or the coupled sample at its depth) for the walk below.
+        choice = logits.argmax(-1)  # [B, G+1]
+        if tree is not None and coupled:
+            choice[coupled] = scores.argmax(-1)
         t2 = time.perf_counter()
 
-        # Roll back and commit. The step's one device-to-host transfer: accepted counts and tokens.
-        res = self._to_host(torch.cat([n_acc[:, None], out], 1))  # [B, 1 + G+1]
-        n_acc_l, out_l = [r[0] for r in res], [r[1:] for r in res]
+        # The pass's one device-to-host transfer: accepted counts, chain tokens, tree choices.
+        res = self._to_host(torch.cat([n_acc[:, None], out] + ([choice] if tree is not None else []), 1))
+        paths, commits = [], []
+        for b, r in enumerate(res):
+            if b not in parents:
+                a = r[0]
+                paths.append(list(range(1, a + 1)))
+                commits.append(r[1:a + 2])
+            elif seqs[b].req.sampling.greedy or seqs[b].req.coupled:
+                path, bonus = _walk(drafts[b], parents[b], r[G + 2:])
+                paths.append(path)
+                commits.append([drafts[b][i - 1] for i in path] + [bonus])
+            else:
+                path, bonus = self._walk_sampled(seqs[b], logits[b], drafts[b], parents[b])
+                paths.append(path)
+                commits.append([drafts[b][i - 1] for i in path] + [bonus])
+
         if self.policy is not None:
             self.policy.observe_pass(B, G + 1, t2 - t1)
             for name, rows, _ in group_s:
-                rows = [b for b in rows if drafts[b]]
-                if rows:
-                    self.policy.observe_verified(name, [len(drafts[b]) for b in rows], [n_acc_l[b] for b in rows])
+                for is_tree in (False, True):
+                    sub = [b for b in rows if drafts[b] and (b in parents) == is_tree]
+                    if sub:
+                        self.policy.observe_verified(name, [len(drafts[b]) for b in sub],
+                                                     [len(paths[b]) for b in sub], tree=is_tree)
         for b, s in enumerate(seqs):
-            a = n_acc_l[b]
-            # KV now holds [.., last, d_1..d_k]; keep [.., last, d_1..d_a].
+            path = paths[b]
+            a = len(path)
+            # KV now holds [.., last, d_1..d_k] (in feed order); keep [.., last, the accepted path].
+            self.cache.compact(s.slot, starts[b], [0] + path)
             self.cache.truncate(s.slot, starts[b] + 1 + a)
             if self.hidden_buf is not None:
-                self._keep_hidden(s, hidden[b, :a + 1])
-            if drafts[b]:
+                self._keep_hidden(s, hidden[b, [0] + path])
+            if drafts[b] and b not in parents:
                 s.draft_keep += a  # drafter view: committed + k drafts, of which a survive
-            s.stats.record(len(drafts[b]), a)
+            depth = max(_depths(parents[b])) if b in parents else None
+            s.stats.record(len(drafts[b]), a, depth)
             s.stats.draft_s += draft_s[b]
             s.stats.verify_s += t2 - t1
-            self._commit(s, out_l[b][:a + 1], outputs)
+            self._commit(s, commits[b], outputs)
         self.stats.verify_s += t2 - t1
         self.batcher.target_passes += 1
         self.batcher.rows_verified += B
         self.batcher.verify_s += time.perf_counter() - t1
+
+    def _walk_sampled(self, s: Sequence, logits: torch.Tensor, drafts: list[int],
+                      parents: list[int]) -> tuple[list[int], int]:
+        """Rejection sampling down a tree of deterministic drafts (unseeded rows): at a node, test
+        its children in order, each accepted with probability p'(x), where p' is the target's
+        distribution with the children already rejected removed and renormalised (SpecInfer's
+        multi-draft rule with one-hot drafts); the first accepted child is the next node; when
+        none is, a token is drawn from what is left of p'. Every committed token is then
+        distributed as the target's p: this is sampling from p by first offering candidates."""
+        kids = _children(parents)
+        path, cur = [], 0
+        while True:
+            p = self._process(logits[cur][None], [s])[0]  # [V]
+            for node in kids.get(cur, []):
+                x = drafts[node - 1]
+                if float(torch.rand((), generator=s.gen, device=p.device)) * float(p.sum()) < float(p[x]):
+                    path.append(node)
+                    cur = node
+                    break
+                p[x] = 0.0
+            else:
+                return path, int(sample(p[None], [s.gen])[0])
 
     @staticmethod
     def _to_host(t: torch.Tensor) -> list:
@@ -363,11 +422,15 @@ class SpecEngine:
         else in a step reads a device tensor on the host."""
         return t.tolist()
 
-    def _coupled_scores(self, logits: torch.Tensor, seqs: list[Sequence], width: int) -> torch.Tensor:
-        """logits [Bc, W, V] -> log p + g for each row's next W positions (coupled sampling)."""
+    def _coupled_scores(self, logits: torch.Tensor, seqs: list[Sequence], width: int,
+                        depth: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [Bc, W, V] -> log p + g, the noise g at each row's next positions: feed index i
+        of a chain is position len(tokens) + i; a tree node's is len(tokens) + its depth."""
         p = self._process(logits, seqs)  # [Bc, W, V]
         noise = torch.stack([gumbel_noise(s.seed, range(len(s.tokens), len(s.tokens) + width), p.shape[-1],
                                           p.device, self._noise_gen) for s in seqs])  # [Bc, W, V]
+        if depth is not None:  # [Bc, W]
+            noise = noise.gather(1, depth[:, :, None].expand(-1, -1, noise.shape[-1]))
         return coupled_scores(p, noise)
 
     def _verify_sampled(self, seqs, rows, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out) -> None:
@@ -452,3 +515,32 @@ class SpecEngine:
         if s.req.draft is not None:
             self.drafters[s.req.draft].release(s.key)
         self.stats.add(s.stats, times=False)  # engine times are wall time, counted per step
+
+
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    """Feed index -> its children's feed indices, in proposal order (node i has feed index i)."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents, start=1):
+        kids.setdefault(p, []).append(i)
+    return kids
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    return depth[1:]
+
+
+def _walk(drafts: list[int], parents: list[int], choice: list[int]) -> tuple[list[int], int]:
+    """Greedy (or coupled) acceptance down a token tree: from the root, follow the child whose
+    token is the target's choice at the current node; stop where no child matches. Returns the
+    accepted path (feed indices) and the target's choice there (the bonus or correction)."""
+    kids = _children(parents)
+    path, cur = [], 0
+    while True:
+        nxt = next((i for i in kids.get(cur, []) if drafts[i - 1] == choice[cur]), None)
+        if nxt is None:
+            return path, choice[cur]
+        path.append(nxt)
+        cur = nxt

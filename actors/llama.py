@@ -35,6 +35,36 @@ class LayerWeights:
     w_down: torch.Tensor  # [E, I]
 
 
+@dataclass
+class TreeMask:
+    """The shape of B token trees whose new tokens are fed as [B, T]: the RoPE position of token
+    t is the row's cache length + depth[b, t], and anc[b, t, u] says whether it attends to key u
+    of the last `past` cached positions followed by the T new ones (the tree's earlier nodes, fed
+    by earlier calls, are the `past` ones; everything before them is the visible context).
+    For the target's verify pass (`from_parents`), index 0 is the root (the last committed
+    token), past is 0 and depth is the tree depth."""
+    depth: torch.Tensor  # int64 [B, T]: RoPE offset from the row's cache length
+    anc: torch.Tensor  # bool [B, T, past + T]
+    past: int = 0
+
+    @classmethod
+    def from_parents(cls, parents: list[list[int]], T: int, device) -> "TreeMask":
+        """parents[b][i] = feed index of node i+1's parent (< i+1; 0 = the root). Rows shorter
+        than T are padded with nodes hanging off the root (their outputs are never read)."""
+        B = len(parents)
+        depth = [[0] * T for _ in range(B)]
+        anc = [[[False] * T for _ in range(T)] for _ in range(B)]
+        for b, par in enumerate(parents):
+            for t in range(T):
+                p = par[t - 1] if 1 <= t <= len(par) else 0
+                if t:
+                    assert 0 <= p < t, f"row {b}: node {t} has parent {p}"
+                    depth[b][t] = depth[b][p] + 1
+                    anc[b][t] = list(anc[b][p])
+                anc[b][t][t] = True
+        return cls(torch.tensor(depth, device=device), torch.tensor(anc, device=device))
+
+
 class KVCache:
     """Per-slot keys and values, and the number of valid positions per slot.
 
@@ -59,6 +89,16 @@ class KVCache:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
+
+    def compact(self, slot: int, start: int, src: list[int]) -> None:
+        """Move the KV at positions start + src[i] to start + i, for every layer: the accepted
+        path of a token tree becomes contiguous (no recompute)."""
+        if src == list(range(len(src))):
+            return
+        dst = torch.arange(start, start + len(src), device=self.k.device)
+        idx = torch.tensor(src, device=self.k.device) + start
+        self.k[:, slot, dst] = self.k[:, slot, idx]
+        self.v[:, slot, dst] = self.v[:, slot, idx]
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -143,7 +183,8 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: list[int], tokens: torch.Tensor | None,
-                num_new: list[int] | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+                num_new: list[int] | None = None, embeds: torch.Tensor | None = None,
+                tree: "TreeMask | None" = None) -> torch.Tensor:
         """Run `tokens` for each row's slot, append their K/V, return final hidden states.
 
         slots: B distinct slot indices. tokens: int64 [B, T]; row b's first
@@ -153,6 +194,10 @@ class LlamaRunner:
         Returns the post-norm hidden states [B, T, E]; padded positions hold garbage.
         embeds [B, T, E], when given, replaces the token embedding lookup (a feature-level
         draft head feeds its own input vectors); `tokens` may then be None.
+        tree, when given, makes the T new tokens of a row a token tree rather than a chain:
+        token t sits at RoPE position lengths + depth[t] and attends to the cached context and
+        to the new tokens its ancestor mask allows (its KV still goes to slot position
+        lengths + t, in feed order; `KVCache.compact` moves an accepted path together).
         """
         B, T = tokens.shape if embeds is None else embeds.shape[:2]
         assert len(slots) == B, f"{len(slots)} slots for {B} rows"
@@ -165,21 +210,30 @@ class LlamaRunner:
 
         dev = self.device
         start_t = torch.tensor(starts, device=dev)  # [B]
-        positions = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
+        positions = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]: where the KV goes
         contiguous = slots == list(range(slots[0], slots[0] + B))
         sl = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=dev)
         slot_idx = torch.tensor(slots, device=dev)[:, None]  # [B, 1]
 
-        # Causal mask over cache positions: key j is visible to the query at position p iff j <= p.
-        # Not needed when every row attends to all of [0, end), i.e. one token per row, same length.
-        if T == 1 and min(starts) == max(starts):
-            mask = None
+        keys = torch.arange(end, device=dev)  # [end]
+        if tree is None:
+            # Causal mask over cache positions: key j is visible to the query at position p iff j <= p.
+            # Not needed when every row attends to all of [0, end), i.e. one token per row, same length.
+            rope_pos = positions
+            if T == 1 and min(starts) == max(starts):
+                mask = None
+            else:
+                mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, end]
         else:
-            mask = torch.arange(end, device=dev)[None, None, :] <= positions[:, :, None]  # [B, T, end]
-            mask = mask[:, None]  # [B, 1, T, end]
+            rope_pos = start_t[:, None] + tree.depth  # [B, T]
+            U = tree.past + T
+            offs = keys[None, :] - (start_t[:, None] - tree.past)  # [B, end]: key's index in the tree block
+            in_block = (offs >= 0) & (offs < U)  # [B, end]
+            anc = tree.anc.gather(2, offs.clamp(0, U - 1)[:, None, :].expand(B, T, end))  # [B, T, end]
+            mask = ((offs < 0)[:, None, :] | (in_block[:, None, :] & anc))[:, None]  # [B, 1, T, end]
 
-        cos = self.cos[positions][:, :, None, :]  # [B, T, 1, D]
-        sin = self.sin[positions][:, :, None, :]
+        cos = self.cos[rope_pos][:, :, None, :]  # [B, T, 1, D]
+        sin = self.sin[rope_pos][:, :, None, :]
         H, Hkv = self.n_heads, self.n_kv
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
         for li, w in enumerate(self.layers):

@@ -60,7 +60,7 @@ class MicroBatches:
             engine.observe_drafting(f)
         t2 = time.perf_counter()
         rows = sorted(mbs[cur] + local, key=lambda s: s.slot)
-        drafts, probs, group_s, draft_s = [], {}, [], []
+        drafts, probs, group_s, draft_s, parents = [], {}, [], [], {}
         where = {id(s): b for b, s in enumerate(rows)}
         for f in mine + ([local_fl] if local_fl else []):
             for name, frows, sec in f.group_s:
@@ -71,11 +71,14 @@ class MicroBatches:
             i = next(i for i, x in enumerate(f.seqs) if x is s)
             drafts.append(f.drafts[i])
             shadow.append(bool(f.shadow) and f.shadow[i])
+            if i in f.parents:
+                parents[b] = f.parents[i]
             if i in f.probs:
                 probs[b] = f.probs[i]
             draft_s.append(f.launch_s + f.wait_s)
             s.flight = None
-        engine.verify(rows, engine.set_aside_shadows(rows, drafts, shadow), probs, group_s, draft_s, outputs)
+        engine.verify(rows, engine.set_aside_shadows(rows, drafts, shadow), probs, group_s, draft_s, outputs,
+                      parents)
         t3 = time.perf_counter()
         bs.pipelined_steps += 1
         bs.draft_s += t2 - t0

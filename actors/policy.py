@@ -32,8 +32,10 @@ import math
 from dataclasses import dataclass, field
 
 from .calibrate import PassCost
+from .schema import AUTO_MAX_GAMMA  # the most the policy proposes per step
 
-AUTO_MAX_GAMMA = 8  # the most the policy proposes per step (the calibrated grid reaches 1 + 8 tokens)
+TREE_BUDGETS = (4, 8, 16)  # token-tree node budgets the policy weighs against chains
+TREE_DEPTH = 6  # the deepest tree it asks for
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0  # a cautious prior for a position never observed
 Z = 1.0  # one standard error below the estimate: thin evidence does not switch speculation on
 
@@ -49,6 +51,8 @@ class DrafterEstimate:
     shadow_drafts: int = 0
     verified_drafts: int = 0
     since_shadow: int = 0
+    tree: int = 0  # the last choice of tree budget (0: a chain)
+    tree_len: dict = field(default_factory=dict)  # budget -> [decayed accepted path length, decayed count]
 
     def conditional(self, j: int, lcb: bool) -> float:
         """P(accept position j | positions < j accepted): decayed counts with a prior."""
@@ -78,9 +82,24 @@ class SpeculationPolicy:
         return self.est.setdefault(drafter, DrafterEstimate())
 
     # ---- choosing ------------------------------------------------------------------------------
-    def choose(self, rows: list[tuple[str | None, int, bool]]) -> list[int]:
+    def tree_for(self, drafter: str) -> int:
+        """The tree budget chosen for the auto rows of this drafter on the last step (0: a chain)."""
+        e = self.est.get(drafter)
+        return e.tree if e is not None and e.gamma > 0 else 0
+
+    def _tree_tokens(self, e: DrafterEstimate, budget: int, depth: int) -> float:
+        """Expected accepted path length of a tree: measured, else (optimistically) a chain of
+        its depth, which the tree contains and widens."""
+        got = e.tree_len.get(budget)
+        if got is not None and got[1] >= 2:
+            return got[0] / got[1]
+        return sum(e.accept_curve(lcb=False)[:depth]) * 1.15
+
+    def choose(self, rows: list[tuple], trees: set[str] = frozenset()) -> list[int]:
         """rows: per row of the pass (drafter or None, γ cap, auto). Returns γ per row: a fixed
-        row keeps its cap; auto rows get their drafter's chosen γ (within their cap)."""
+        row keeps its cap; auto rows get their drafter's chosen γ (within their cap). For the
+        drafters in `trees` (able to draft token trees) it also weighs trees of each budget in
+        TREE_BUDGETS against chains; `tree_for` tells the choice."""
         B = len(rows)
         fixed_w = max((cap for d, cap, auto in rows if d is not None and not auto), default=0)
         groups: dict[str, list[int]] = {}
@@ -107,9 +126,27 @@ class SpeculationPolicy:
                     r = rate(trial)
                     if r > best * (1 + 1e-9):
                         g, best = trial, r
+        chosen_tree: dict[str, int] = {}
+        for d, caps in groups.items():  # would a tree beat this drafter's chain, the rest fixed?
+            if d not in trees or max(caps) < 2:
+                continue
+            e = self.estimate(d)
+            depth = min(max(caps), TREE_DEPTH)
+            n_rows = len(caps)
+            others = [min(g[o], max(c)) for o, c in groups.items() if o != d] + [fixed_w]
+            other_tokens = base + sum(sum(curves[o][:min(g[o], c)]) for o, cs in groups.items() if o != d for c in cs)
+            other_draft = sum(g[o] * (self.estimate(o).step_s or 0.0) for o in groups if o != d)
+            for budget in TREE_BUDGETS:
+                tokens = other_tokens + n_rows * self._tree_tokens(e, budget, depth)
+                secs = (self.scale * self.cost(B, 1 + max(others + [budget])) + other_draft
+                        + 1.5 * depth * (e.step_s or 0.0))
+                if tokens / secs > best * 1.02:  # a tree must pay clearly: it costs more to draft
+                    best, chosen_tree[d] = tokens / secs, budget
+                    g[d] = depth
         for d in groups:
             e = self.estimate(d)
             e.gamma = g[d]
+            e.tree = chosen_tree.get(d, 0)
             e.steps += 1
             e.steps_on += g[d] > 0
         return [min(cap, g[d]) if d is not None and auto and d in g else (cap if d is not None else 0)
@@ -140,13 +177,30 @@ class SpeculationPolicy:
             e.seen[j] = e.seen[j] * keep + 1
             e.acc[j] = e.acc[j] * keep + (j < accepted)
 
-    def observe_verified(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
-        """One verify step of one drafter: per row, drafts proposed and accepted."""
+    def observe_verified(self, drafter: str, drafted: list[int], accepted: list[int], tree: bool = False) -> None:
+        """One verify step of one drafter: per row, drafts proposed and accepted (for trees:
+        nodes proposed and the accepted path's length, kept apart from the chain estimate)."""
+        if tree:
+            self.observe_tree(drafter, drafted, accepted)
+            return
         e = self.estimate(drafter)
         for k, a in zip(drafted, accepted):
             if k:
                 self._observe(e, k, a)
                 e.verified_drafts += 1
+
+    def observe_tree(self, drafter: str, nodes: list[int], accepted: list[int]) -> None:
+        """Verified token trees of one drafter: per row, nodes proposed and the accepted path's
+        length, kept per budget (the smallest budget that holds the tree)."""
+        e = self.estimate(drafter)
+        keep = 1 - self.decay
+        for n, a in zip(nodes, accepted):
+            if not n:
+                continue
+            budget = next((b for b in TREE_BUDGETS if n <= b), TREE_BUDGETS[-1])
+            tot, cnt = e.tree_len.get(budget, (0.0, 0.0))
+            e.tree_len[budget] = (tot * keep + a, cnt * keep + 1)
+            e.verified_drafts += 1
 
     def observe_shadow(self, drafter: str, drafted: int, matched: int) -> None:
         """A shadow draft of `drafted` tokens whose first `matched` equal what the target committed."""
@@ -175,5 +229,7 @@ class SpeculationPolicy:
                 "drafters": {d: {"gamma": e.gamma, "speculated_share": e.steps_on / e.steps if e.steps else 0.0,
                                  "steps": e.steps, "speculated_steps": e.steps_on, "accept_curve": [round(x, 3) for x in e.accept_curve(False)[:4]],
                                  "draft_step_ms": None if e.step_s is None else e.step_s * 1e3,
-                                 "shadow_drafts": e.shadow_drafts, "verified_drafts": e.verified_drafts}
+                                 "shadow_drafts": e.shadow_drafts, "verified_drafts": e.verified_drafts,
+                                 "tree": e.tree, "tree_accepted": {b: round(t / c, 3) for b, (t, c) in
+                                                                    sorted(e.tree_len.items()) if c}}
                              for d, e in self.est.items()}}

@@ -25,6 +25,7 @@ from typing import Mapping
 MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
 AUTO = "auto"  # γ chosen per step by the speculation policy (actors/policy.py)
 AUTO_MAX_GAMMA = 8  # the most the policy proposes per step
+MAX_TREE = 64  # the most nodes a token tree may have
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range (the proto's uint64)
@@ -54,6 +55,9 @@ class SpeculationParams:
     of a seeded request."""
     draft: str | None = None  # a draft name; None = the server's default draft; "none" = off
     gamma: int | str | None = None  # draft tokens per step, or "auto"; None = the draft's default; 0 = off
+    # Token tree: its node budget (depth at most γ). None = the policy decides under γ "auto"
+    # (a chain with a fixed γ); 0 = always a chain.
+    tree: int | None = None
 
 
 @dataclass
@@ -154,11 +158,13 @@ def validate(req: Request, limits: Limits) -> Request:
         gamma = sp.gamma
         if gamma != AUTO and (not _is_int(gamma) or not 0 <= gamma <= MAX_GAMMA):
             raise ValueError(f"speculation.gamma must be in [0, {MAX_GAMMA}] or {AUTO!r}, got {gamma!r}")
+    if sp.tree is not None and (not _is_int(sp.tree) or not 0 <= sp.tree <= MAX_TREE):
+        raise ValueError(f"speculation.tree must be in [0, {MAX_TREE}], got {sp.tree!r}")
     if draft == NO_DRAFT or gamma == 0:
         draft, gamma = NO_DRAFT, 0
     return replace(req, prompt_ids=list(ids),
                    sampling=replace(s, max_tokens=max_tokens, stop=stop),
-                   speculation=SpeculationParams(draft=draft, gamma=gamma))
+                   speculation=SpeculationParams(draft=draft, gamma=gamma, tree=sp.tree))
 
 
 def validate_messages(messages: list) -> list[dict]:
@@ -205,14 +211,15 @@ class SpecStats:
         """Acceptance rate at each draft position that was drafted at least once."""
         return [a / d for a, d in zip(self.accepted_per_pos, self.drafted_per_pos) if d]
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """One verify step of one request: `drafted` tokens proposed, the first `accepted` kept."""
+    def record(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One verify step of one request: `drafted` tokens proposed (a chain, or the nodes of a
+        tree `depth` deep), `accepted` of them kept (a chain prefix, or a tree path)."""
         self.target_passes += 1
         if drafted:
             self.drafts += 1
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
-            for j in range(drafted):
+            for j in range(min(drafted if depth is None else depth, MAX_GAMMA)):
                 self.drafted_per_pos[j] += 1
                 self.accepted_per_pos[j] += j < accepted
 

@@ -10,6 +10,8 @@
   specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
   specd generate --address H:P ...  generate through a running cluster with the client SDK
   specd distill ...                 train a draft from the target (see specd/distill.py)
+  specd cost BENCH.json --rps R --tokens N
+                                    $/1M tokens, J/token, replicas and latency per option and accelerator
 """
 from __future__ import annotations
 
@@ -118,8 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="draft tokens per step (default: each draft's default_gamma from the config; auto locally)")
     d.add_argument("--max-tokens", type=int, default=80)
     _add_model_args(d)
+    from .cost import add_parser as add_cost
     from .distill import add_parser as add_distill
     add_distill(sub)
+    add_cost(sub)
     return ap
 
 
@@ -127,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
-                "serve": _serve, "distill": _distill}[args.cmd](args)
+                "serve": _serve, "distill": _distill, "cost": _cost}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
+
+
+def _cost(args) -> int:
+    from .cost import run
+    return run(args)
 
 
 def _distill(args) -> int:

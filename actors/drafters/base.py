@@ -39,6 +39,9 @@ class DraftSeq:
     # Coupled sampling (a seeded request): draft the token at view position i as
     # argmax(log q_i + gumbel_noise(seed, i)), the noise the target uses (see sampling.py).
     coupled: bool = False
+    # Propose a token tree of at most `tree` nodes and depth `gamma` instead of a chain (0: a
+    # chain). A drafter that cannot draft trees proposes a chain (Proposal.parents None).
+    tree: int = 0
     # Target final hidden states for committed tokens, for feature-level drafters
     # (EAGLE-style heads): hidden[i] belongs to token view[hidden_start + i]. Only
     # filled when the drafter sets `wants_hidden`.
@@ -61,6 +64,10 @@ class Proposal:
     # The draft's K likeliest tokens at each drafted position, when the drafter was asked
     # (ModelDrafter.record_topk): a draft server uses them to guess the verifier's verdict.
     topk: torch.Tensor | None = None  # int64 [B, G, K]
+    # Token trees: parents[b] lists, for each of row b's num_draft[b] proposed tokens (nodes in
+    # feed order), the index of its parent among [root, node 1, node 2, ...] (0 = the root, the
+    # last committed token). None, or a None entry: the row's tokens are a chain.
+    parents: list[list[int] | None] | None = None
 
 
 class Drafter(ABC):
@@ -73,12 +80,14 @@ class Drafter(ABC):
                     a target pass; otherwise it proposes in the calling thread.
       free_drafting proposing costs next to nothing (n-gram lookup): the speculation policy
                     may shadow-draft with it on every step.
+      tree_drafting it proposes token trees when DraftSeq.tree > 0 (Proposal.parents).
     """
 
     name: str = "drafter"
     wants_hidden: bool = False
     asynchronous: bool = False
     free_drafting: bool = False
+    tree_drafting: bool = False
 
     @abstractmethod
     def propose(self, seqs: list[DraftSeq]) -> Proposal:

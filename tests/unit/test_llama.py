@@ -259,3 +259,79 @@ def test_num_layers_range(tiny):
         with pytest.raises(ValueError, match=r"num_layers must be in \[1, 4\]"):
             LlamaRunner(tiny.model, num_layers=bad)
     assert LlamaRunner(tiny.model, num_layers=2).num_layers == 2
+
+
+# --------------------------------------------------------------------------- #
+# Token trees: one pass scores every node as if it were its own path
+# --------------------------------------------------------------------------- #
+TREE = [0, 0, 1, 1, 2, 4, 0]  # parents of nodes 1..7 (feed index; 0 = the root)
+
+
+def path_of(node: int, parents: list[int]) -> list[int]:
+    out = []
+    while node:
+        out.append(node)
+        node = parents[node - 1]
+    return out[::-1]
+
+
+def test_tree_pass_scores_each_node_as_its_path(tiny):
+    from actors.llama import TreeMask
+
+    runner = LlamaRunner(tiny.model)
+    prefixes = [rand_tokens(9, seed=200), rand_tokens(5, seed=201)]
+    nodes = [rand_tokens(len(TREE), seed=202), rand_tokens(len(TREE), seed=203)]
+    cache = runner.new_cache(2, 64)
+    runner.forward(cache, [0], torch.tensor([prefixes[0][:-1]]))
+    runner.forward(cache, [1], torch.tensor([prefixes[1][:-1]]))  # rows of different lengths
+    feed = torch.tensor([[p[-1], *n] for p, n in zip(prefixes, nodes)])  # root = last committed token
+    tree = TreeMask.from_parents([TREE, TREE], feed.shape[1], "cpu")
+    got = runner.logits(runner.forward(cache, [0, 1], feed, tree=tree))  # [2, 8, V]
+    for b in range(2):
+        for node in range(len(TREE) + 1):
+            path = [nodes[b][i - 1] for i in path_of(node, TREE)]
+            ref = tiny.model(torch.tensor([prefixes[b] + path])).logits[0, -1]
+            torch.testing.assert_close(got[b, node], ref, atol=2e-4, rtol=1e-4)
+
+
+def test_tree_mask_planted_bug_is_caught(tiny):
+    """A node that also sees a non-ancestor (its sibling) scores differently from its path."""
+    from actors.llama import TreeMask
+
+    runner = LlamaRunner(tiny.model)
+    prefix, nodes = rand_tokens(6, seed=210), rand_tokens(len(TREE), seed=211)
+    feed = torch.tensor([[prefix[-1], *nodes]])
+    tree = TreeMask.from_parents([TREE], feed.shape[1], "cpu")
+    tree.anc[0, 2, 1] = True  # node 2 (a child of the root) wrongly sees node 1, its sibling
+    cache = runner.new_cache(1, 64)
+    runner.forward(cache, [0], torch.tensor([prefix[:-1]]))
+    got = runner.logits(runner.forward(cache, [0], feed, tree=tree))
+    ref = tiny.model(torch.tensor([prefix + [nodes[1]]])).logits[0, -1]
+    assert not torch.allclose(got[0, 2], ref, atol=1e-3)
+
+
+def test_compacting_an_accepted_path_equals_feeding_it(tiny):
+    from actors.llama import TreeMask
+
+    runner = LlamaRunner(tiny.model)
+    prefix, nodes = rand_tokens(8, seed=220), rand_tokens(len(TREE), seed=221)
+    accepted = path_of(6, TREE)  # root -> 1 -> 4 -> 6
+    cache = runner.new_cache(1, 64)
+    runner.forward(cache, [0], torch.tensor([prefix[:-1]]))
+    start = cache.lengths[0]
+    runner.forward(cache, [0], torch.tensor([[prefix[-1], *nodes]]),
+                   tree=TreeMask.from_parents([TREE], len(TREE) + 1, "cpu"))
+    cache.compact(0, start, [0] + accepted)
+    cache.truncate(0, start + 1 + len(accepted))
+    nxt = rand_tokens(3, seed=222)
+    got = runner.logits(runner.forward(cache, [0], torch.tensor([nxt])))[0]
+    ref = tiny.model(torch.tensor([prefix + [nodes[i - 1] for i in accepted] + nxt])).logits[0, -3:]
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    # without compaction the same continuation reads the wrong KV (the planted bug fails)
+    cache2 = runner.new_cache(1, 64)
+    runner.forward(cache2, [0], torch.tensor([prefix[:-1]]))
+    runner.forward(cache2, [0], torch.tensor([[prefix[-1], *nodes]]),
+                   tree=TreeMask.from_parents([TREE], len(TREE) + 1, "cpu"))
+    cache2.truncate(0, start + 1 + len(accepted))
+    bad = runner.logits(runner.forward(cache2, [0], torch.tensor([nxt])))[0]
+    assert not torch.allclose(bad, ref, atol=1e-3)
