@@ -267,6 +267,10 @@ class EagleDrafter(ModelDrafter):
                 self.real[seqs[b].seq_id] = len(view)
         return last
 
+    def _tree_inputs(self, tok: torch.Tensor, parent_feat: torch.Tensor) -> dict:
+        """A feature head reads fc([embed(token), its parent's feature]) for each tree node."""
+        return {"tokens": None, "embeds": self._inputs(tok, parent_feat)}
+
     def _advance(self, slots: list[int], tok: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return self.runner.forward(self.cache, slots, None, embeds=self._inputs(tok, last)[:, None])[:, 0]
 

@@ -55,8 +55,18 @@ class ModelDrafter(Drafter):
                 (s.seed * 1_000_003 + 17) % (1 << 63))
         return slot
 
+    tree_drafting = True
+    TREE_BRANCH = 4  # children expanded per frontier node, and frontier nodes kept per depth
+
     @torch.inference_mode()
     def propose(self, seqs: list[DraftSeq]) -> Proposal:
+        if any(s.tree > 0 for s in seqs):
+            chains = [i for i, s in enumerate(seqs) if s.tree == 0]
+            out = self._propose_chains([seqs[i] for i in chains]) if chains else None
+            return self._with_trees(seqs, chains, out)
+        return self._propose_chains(seqs)
+
+    def _propose_chains(self, seqs: list[DraftSeq]) -> Proposal:
         B = len(seqs)
         G = max(s.gamma for s in seqs)
         slots = [self._slot(s) for s in seqs]
@@ -117,6 +127,92 @@ class ModelDrafter(Drafter):
         for s, row in zip(seqs, tokens.tolist()):
             self.views[s.seq_id].extend(row[:s.gamma])
         return Proposal(tokens=tokens, num_draft=num_draft, probs=probs, topk=topk)
+
+    # ---- token trees (EAGLE-2's dynamic tree) -------------------------------------------------------
+    def _with_trees(self, seqs: list[DraftSeq], chains: list[int], chain_prop: Proposal | None) -> Proposal:
+        """Trees for the rows that asked for one, one row at a time, merged with the chains."""
+        trees = {i: self._tree(s) for i, s in enumerate(seqs) if s.tree > 0}
+        G = max([len(t) for t, _ in trees.values()] + ([chain_prop.tokens.shape[1]] if chain_prop else []))
+        tokens = torch.zeros(len(seqs), max(G, 1), dtype=torch.long, device=self.runner.device)
+        num, parents = [0] * len(seqs), [None] * len(seqs)
+        for i, (toks, par) in trees.items():
+            tokens[i, :len(toks)] = torch.tensor(toks, dtype=torch.long, device=tokens.device)
+            num[i], parents[i] = len(toks), par
+        for j, i in enumerate(chains):
+            k = chain_prop.num_draft[j]
+            tokens[i, :k] = chain_prop.tokens[j, :k]
+            num[i] = k
+        return Proposal(tokens=tokens, num_draft=num, parents=parents)
+
+    def _tree_inputs(self, tok: torch.Tensor, parent_feat: torch.Tensor) -> dict:
+        """What the runner takes for frontier tokens tok [1, k] (a token-level draft: the tokens)."""
+        return {"tokens": tok}
+
+    def _tree(self, s: DraftSeq) -> tuple[list[int], list[int]]:
+        """A token tree for one sequence, EAGLE-2's way: from the root (the last committed token),
+        expand the TREE_BRANCH likeliest children of the frontier, keep the TREE_BRANCH nodes with
+        the highest cumulative draft log-probability as the next frontier, down to depth s.gamma;
+        then keep the s.tree nodes with the highest cumulative log-probability (a child never
+        outranks its parent, so the kept set is a tree). The tree's tokens are fed to the draft's
+        own KV past the committed view with a tree mask, and dropped on the next call (the view
+        is not extended; the verifier sends the accepted path back as new tokens). Returns the
+        tokens and their parents (feed indices, 0 = the root), parents before children."""
+        from ..llama import TreeMask
+
+        dev, K = self.runner.device, self.TREE_BRANCH
+        slot = self._slot(s)
+        last = self._sync([s], [slot])  # [1, E]: predicts depth 1
+        vmap = self.vocab_map
+        # nodes: (token, parent node id or -1 for the root, cumulative logp, depth); ids = list order
+        nodes: list[tuple[int, int, float, int]] = []
+        feats: dict[int, torch.Tensor] = {}  # node id -> hidden state after feeding it ([E])
+        fed: list[int] = []  # node ids in the order they entered the draft KV
+        frontier: list[tuple[int, torch.Tensor, float]] = [(-1, last[0], 0.0)]  # (node id, feature, cum)
+        for depth in range(1, max(1, s.gamma) + 1):
+            cands = []
+            logits = self.runner.logits(torch.stack([f for _, f, _ in frontier])).float()  # [F, R]
+            logp = torch.log_softmax(logits, -1)
+            top = logp.topk(min(K, logp.shape[-1]), dim=-1)
+            for fi, (nid, _, cum) in enumerate(frontier):
+                for lp, t in zip(top.values[fi].tolist(), top.indices[fi].tolist()):
+                    cands.append((cum + lp, int(t if vmap is None else vmap[t]), nid))
+            cands.sort(key=lambda c: -c[0])
+            chosen = cands[:K]
+            ids = []
+            for cum, tok, parent in chosen:
+                nodes.append((tok, parent, cum, depth))
+                ids.append(len(nodes) - 1)
+            if depth == s.gamma or len(nodes) >= s.tree * 2:
+                break
+            # Feed the new frontier into the draft: each node sees the context, its ancestors, itself.
+            P = len(fed)
+            anc = torch.zeros(1, len(ids), P + len(ids), dtype=torch.bool, device=dev)
+            pos_of = {nid: i for i, nid in enumerate(fed)}
+            for j, nid in enumerate(ids):
+                anc[0, j, P + j] = True
+                a = nodes[nid][1]
+                while a >= 0:
+                    anc[0, j, pos_of[a]] = True
+                    a = nodes[a][1]
+            tok = torch.tensor([[nodes[n][0] for n in ids]], device=dev)  # [1, F]
+            parent_feat = torch.stack([feats[nodes[n][1]] if nodes[n][1] >= 0 else last[0] for n in ids])[None]
+            depth_off = torch.full((1, len(ids)), depth - 1 - P, device=dev, dtype=torch.long)
+            hidden = self.runner.forward(self.cache, [slot], tree=TreeMask(depth_off, anc, P),
+                                         **self._tree_inputs(tok, parent_feat))[0]  # [F, E]
+            for j, nid in enumerate(ids):
+                feats[nid] = hidden[j]
+            fed += ids
+            frontier = [(nid, feats[nid], nodes[nid][2]) for nid in ids]
+        # Rerank to the budget, ancestors first.
+        keep: set[int] = set()
+        for nid in sorted(range(len(nodes)), key=lambda n: -nodes[n][2]):
+            if len(keep) >= s.tree:
+                break
+            if nodes[nid][1] < 0 or nodes[nid][1] in keep:
+                keep.add(nid)
+        order = sorted(keep, key=lambda n: (nodes[n][3], n))
+        feed_idx = {nid: i + 1 for i, nid in enumerate(order)}
+        return ([nodes[n][0] for n in order], [feed_idx.get(nodes[n][1], 0) for n in order])
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
         """Roll each row back to `keep`, feed the committed tokens it has not seen, and return

@@ -16,6 +16,7 @@ from .base import Drafter, DraftSeq, Proposal, apply_view
 class NgramDrafter(Drafter):
     name = "ngram"
     free_drafting = True
+    tree_drafting = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1, lookahead: int | None = None):
         if not 1 <= min_n <= max_n:
@@ -26,18 +27,56 @@ class NgramDrafter(Drafter):
         self.views: dict[int, list[int]] = {}
 
     def propose(self, seqs: list[DraftSeq]) -> Proposal:
-        rows = []
+        rows, parents = [], []
         for s in seqs:
             view = apply_view(self.views.setdefault(s.seq_id, []), s.keep, s.new_tokens)
             k = s.gamma if self.lookahead is None else min(s.gamma, self.lookahead)
-            rows.append(self.lookup(view, k))
+            if s.tree > 0:
+                toks, par = self.lookup_tree(view, k, s.tree)
+                rows.append(toks)
+                parents.append(par)  # the view stays the committed tokens: the path comes back as new tokens
+                continue
+            r = self.lookup(view, k)
+            rows.append(r)
+            parents.append(None)
+            view.extend(r)  # the view includes the proposals; the next `keep` says how many survived
         width = max((len(r) for r in rows), default=0)
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         for b, r in enumerate(rows):
             tokens[b, :len(r)] = torch.tensor(r, dtype=torch.long)
-            # The drafter's view now includes its proposals; the next `keep` says how many survived.
-            self.views[seqs[b].seq_id].extend(r)
-        return Proposal(tokens=tokens, num_draft=[len(r) for r in rows], probs=None)
+        return Proposal(tokens=tokens, num_draft=[len(r) for r in rows], probs=None,
+                        parents=parents if any(p is not None for p in parents) else None)
+
+    def lookup_tree(self, tokens: list[int], depth: int, budget: int, matches: int = 8) -> tuple[list[int], list[int]]:
+        """The continuations of up to `matches` earlier occurrences of the longest matching suffix
+        n-gram (latest first), merged into a trie of at most `budget` nodes (continuations seen
+        more often first). Returns tokens and parents (feed indices, 0 = the root)."""
+        n_tok = len(tokens)
+        conts: list[list[int]] = []
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tok - n:]
+            for start in range(n_tok - n - 1, -1, -1):
+                if tokens[start:start + n] == suffix:
+                    cont = tokens[start + n:start + n + depth]
+                    if cont:
+                        conts.append(cont)
+                        if len(conts) >= matches:
+                            break
+            if conts:
+                break
+        trie: dict[tuple, int] = {}  # path prefix -> count
+        for c in conts:
+            for i in range(1, len(c) + 1):
+                trie[tuple(c[:i])] = trie.get(tuple(c[:i]), 0) + 1
+        kept: list[tuple] = []
+        for path in sorted(trie, key=lambda p: (-trie[p], len(p))):  # a prefix counts at least its extensions
+            if len(kept) >= budget:
+                break
+            if len(path) == 1 or path[:-1] in kept:
+                kept.append(path)
+        kept.sort(key=len)
+        idx = {p: i + 1 for i, p in enumerate(kept)}
+        return [p[-1] for p in kept], [idx.get(p[:-1], 0) for p in kept]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Continuation of the latest earlier match of the longest matching suffix n-gram."""

@@ -245,3 +245,30 @@ def test_tree_sampling_follows_the_target_law(v8, monkeypatch, naive):
         assert p < 1e-6, p
     else:
         assert p > 1e-3, p
+
+
+@pytest.mark.parametrize("kind", ["ngram", "truncated:2", "truncated:4", "eagle"])
+def test_drafters_propose_trees_losslessly(tiny, hf_greedy, kind):
+    """The shipped drafters draft trees (EAGLE-2's dynamic expansion for model drafts and the
+    head, a trie of matched continuations for n-gram); greedy output stays HF's, and a draft that
+    IS the target (truncated:4) gets whole paths accepted."""
+    from actors.drafters import ModelDrafter
+    from actors.drafters.eagle import EagleDrafter, EagleHead
+
+    if kind == "ngram":
+        d = NgramDrafter()
+    elif kind == "eagle":
+        d = EagleDrafter(EagleHead(tiny.model, torch.arange(512)).eval(), "eagle", max_batch=4, max_len=128)
+    else:
+        d = ModelDrafter.truncated(tiny.model, int(kind.split(":")[1]), max_batch=4, max_len=128)
+    eng = SpecEngine(LlamaRunner(tiny.model), {"d": d}, max_batch=4, max_len=128)
+    prompts = PROMPTS[:3] + [[10, 11, 12, 13] * 4]
+    reqs = [request(f"r{i}", p, "d", 5, max_tokens=20) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.speculation.tree = 12
+    res = run(eng, reqs)
+    for i, p in enumerate(prompts):
+        assert res[f"r{i}"].token_ids == hf_greedy(tiny.model, p, 20, eos=None), (kind, i)
+    if kind == "truncated:4":
+        assert all(res[f"r{i}"].stats.mean_accepted_length > 2.5 for i in range(4))
+    assert d.num_active() == 0
