@@ -135,6 +135,9 @@ class DraftServer:
         blk = self.blocks.pop(s.seq_id, None)
         if blk is None:
             return None
+        if s.tree:  # trees are drafted fresh (blocks are prepared as chains)
+            self.drafter.set_view(s.seq_id, blk.view, blk.anchor)
+            return None
         accepted = s.keep - blk.anchor
         if 0 <= accepted <= len(blk.block):
             a = self.alpha.get(s.seq_id, 0.3)
@@ -155,7 +158,7 @@ class DraftServer:
         for j, i in enumerate(rows):
             s = seqs[i]
             k = prop.num_draft[j]
-            if k == 0:
+            if k == 0 or s.tree:
                 continue
             view = list(self.drafter.views[s.seq_id])  # committed + the block just proposed
             block = view[len(view) - k:]
@@ -273,9 +276,10 @@ class DraftServer:
 def _slice(prop: Proposal, first: int, n: int) -> Proposal:
     """Rows [first, first + n) of a proposal."""
     sl = slice(first, first + n)
-    return Proposal(tokens=prop.tokens[sl], num_draft=prop.num_draft[sl],
-                    probs=prop.probs[sl] if prop.probs is not None else None,
-                    topk=prop.topk[sl] if prop.topk is not None else None)
+    return Proposal(tokens=prop.tokens[sl].cpu(), num_draft=prop.num_draft[sl],
+                    probs=prop.probs[sl].cpu() if prop.probs is not None else None,
+                    topk=prop.topk[sl].cpu() if prop.topk is not None else None,
+                    parents=prop.parents[sl] if prop.parents is not None else None)
 
 
 def _assemble(seqs: list[DraftSeq], rows: list[int], drafted: list[int], part: Proposal | None,
@@ -286,7 +290,8 @@ def _assemble(seqs: list[DraftSeq], rows: list[int], drafted: list[int], part: P
         return None
     if not ready:
         return part
-    G = max(s.gamma for s in seqs)
+    parents = [None] * len(rows)
+    G = max(max(s.gamma, s.tree) for s in seqs)
     tokens = torch.zeros(len(rows), G, dtype=torch.long)
     num = [0] * len(rows)
     V = next((p.shape[-1] for _, p in ready.values() if p is not None), None)
@@ -307,7 +312,10 @@ def _assemble(seqs: list[DraftSeq], rows: list[int], drafted: list[int], part: P
             tokens[r, :num[r]] = part.tokens[j, :num[r]]
             if part.probs is not None:
                 probs[r, :num[r]] = part.probs[j, :num[r]]
-    return Proposal(tokens=tokens, num_draft=num, probs=probs)
+            if part.parents is not None:
+                parents[r] = part.parents[j]
+    return Proposal(tokens=tokens, num_draft=num, probs=probs,
+                    parents=parents if any(p is not None for p in parents) else None)
 
 
 class RemoteDrafter(Drafter):
@@ -337,10 +345,11 @@ class RemoteDrafter(Drafter):
                    for rows in self._groups(seqs)]
 
         def wait() -> Proposal:
-            G = max(s.gamma for s in seqs)
+            G = max(max(s.gamma, s.tree) for s in seqs)
             tokens = torch.zeros(len(seqs), G, dtype=torch.long)
             num = [0] * len(seqs)
             probs = None
+            parents: list[list[int] | None] = [None] * len(seqs)
             work = list(pending)
             attempts = 0
             while work:
@@ -375,8 +384,12 @@ class RemoteDrafter(Drafter):
                         if probs is None:
                             probs = torch.zeros(len(seqs), G, prop.probs.shape[-1])
                         probs[b, :k] = prop.probs[j, :k]
-                    self.mirror[seqs[b].seq_id].extend(prop.tokens[j, :k].tolist())
-            return Proposal(tokens=tokens, num_draft=num, probs=probs)
+                    if prop.parents is not None and prop.parents[j] is not None:
+                        parents[b] = prop.parents[j]  # a tree: the replica's view stays the committed tokens
+                    else:
+                        self.mirror[seqs[b].seq_id].extend(prop.tokens[j, :k].tolist())
+            return Proposal(tokens=tokens, num_draft=num, probs=probs,
+                            parents=parents if any(p is not None for p in parents) else None)
 
         return wait
 

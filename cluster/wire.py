@@ -24,11 +24,12 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:
+    tree = sp.tree if sp.HasField("tree") else None
     if sp.gamma_auto:
         if sp.HasField("gamma"):
             raise ValueError("speculation.gamma_auto and speculation.gamma are exclusive: set one")
-        return SpeculationParams(draft=sp.draft or None, gamma=AUTO)
-    return SpeculationParams(draft=sp.draft or None, gamma=sp.gamma if sp.HasField("gamma") else None)
+        return SpeculationParams(draft=sp.draft or None, gamma=AUTO, tree=tree)
+    return SpeculationParams(draft=sp.draft or None, gamma=sp.gamma if sp.HasField("gamma") else None, tree=tree)
 
 
 def stats_to_proto(st: SpecStats) -> specd_pb2.SpecStats:

@@ -49,14 +49,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("draft", "gamma", "gamma_auto")
+    __slots__ = ("draft", "gamma", "gamma_auto", "tree")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     GAMMA_AUTO_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     draft: str
     gamma: int
     gamma_auto: bool
-    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., gamma_auto: _Optional[bool] = ...) -> None: ...
+    tree: int
+    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., gamma_auto: _Optional[bool] = ..., tree: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "sampling", "speculation")

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma", type=gamma_arg, default="auto",
                    help="draft tokens per step, or auto: the speculation policy chooses per step, and switches "
                         "speculation off where it does not pay (ignored with --draft none)")
+    g.add_argument("--tree", type=int, default=None,
+                   help="draft a token tree of at most N nodes (depth <= gamma); 0: chains; default: the policy decides")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     _add_model_args(g)
 
@@ -98,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="fixed γ of the fixed-γ configurations (default 4, --local), or the γ sent to a cluster "
                         "(default: the draft's default, auto)")
     b.add_argument("--batch-sizes", default="1,8")
+    b.add_argument("--tree-budgets", default="16",
+                   help="--local: also run each tree-capable draft as a token tree of these node budgets "
+                        "(depth <= 6); empty: chains only")
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     b.add_argument("--no-adaptive", action="store_true", help="skip the γ=auto configurations")
@@ -185,7 +190,8 @@ def _generate_remote(args) -> int:
     with SpecdClient(args.address) as client:
         kw = dict(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  stop=args.stop or None, draft=args.draft, gamma=0 if args.draft == "none" else args.gamma)
+                  stop=args.stop or None, draft=args.draft, gamma=0 if args.draft == "none" else args.gamma,
+                  tree=args.tree)
         try:
             if args.json:
                 r = client.generate(**kw)
@@ -216,7 +222,7 @@ def _generate(args) -> int:
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k, seed=args.seed, stop=tuple(args.stop)),
-                  SpeculationParams(draft=args.draft, gamma=args.gamma if args.draft != "none" else 0))
+                  SpeculationParams(draft=args.draft, gamma=args.gamma if args.draft != "none" else 0, tree=args.tree))
     eng = built.engine
     key = eng.add_request(req)
     t0 = time.perf_counter()
@@ -270,7 +276,8 @@ def _bench(args) -> int:
     drafts = args.draft or ["ngram", "truncated:4"] + (["default"] if draft_meta("default") else [])
     report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
-                             hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device)
+                             hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device,
+                             trees=tuple(int(x) for x in args.tree_budgets.split(",") if x))
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))

@@ -138,7 +138,10 @@ def bandwidth_floor(model) -> dict:
 
 def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: int = 4, dtype: str = "bf16",
               max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
-              hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto") -> dict:
+              hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto",
+              trees: tuple[int, ...] = (), tree_depth: int = 6) -> dict:
+    """trees: node budgets at which every tree-capable draft also runs as a token tree (depth
+    at most tree_depth); each is a configuration "engine+SPEC tree:N"."""
     from tqdm import tqdm
 
     prompts = load_prompts(prompts_path)[:limit]
@@ -168,6 +171,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
                     configs.append((bs, "hf-prompt-lookup", "hf-lookup", None))
         configs.append((bs, "engine", "engine", None))
         configs += [(bs, f"engine+{s}", "engine", s) for s in drafts if s != "none"]
+        configs += [(bs, f"engine+{s} tree:{n}", f"engine-tree:{n}", s) for s in drafts
+                    if s != "none" and eng.drafters[s].tree_drafting for n in trees]
         if adaptive:
             configs += [(bs, f"engine+{s} γ=auto", "engine-adaptive", s) for s in drafts if s != "none"]
 
@@ -177,7 +182,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
     # Warm up each path once (first-call allocations), untimed.
     for bs, name, kind, spec in configs:
         if bs == 1:
-            _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants)
+            _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants, tree_depth)
     work = [(bs, list(range(i, min(i + bs, len(ids))))) for bs in batch_sizes for i in range(0, len(ids), bs)]
     bar = tqdm(total=sum(len(idx) * sum(1 for c in configs if c[0] == bs) for bs, idx in work),
                desc="bench", unit="req", disable=not progress)
@@ -187,7 +192,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
                 continue
             batch = [ids[i] for i in idx]
             t0 = time.perf_counter()
-            outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants)
+            outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth)
             dt = time.perf_counter() - t0
             r = rows[(bs, name)]
             r["seconds"] += dt
@@ -214,12 +219,16 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
                         "tokens_per_s": tps, "acceptance_rate": st.acceptance_rate if st.draft_tokens else None,
                         "mean_accepted_length": st.mean_accepted_length if st.drafts else None,
                         "acceptance_per_position": st.per_position(),
+                        "tokens_per_target_pass": r["tokens"] / st.target_passes if st.target_passes else None,
+                        "nodes_per_pass": st.draft_tokens / st.drafts if st.drafts else None,
                         "agreement_with_hf": r["agree"][0] / r["agree"][1] if r["agree"][1] else None,
                         "exact_match_with_hf": r["exact"][0] / r["exact"][1] if r["exact"][1] else None})
     for res in results:
         same = {x["config"]: x["tokens_per_s"] for x in results if x["batch"] == res["batch"]}
         res["speedup_vs_hf"] = res["tokens_per_s"] / same["hf"] if same.get("hf") else None
         res["speedup_vs_engine_gamma0"] = res["tokens_per_s"] / same["engine"] if same.get("engine") else None
+        anchor = next((v for k, v in same.items() if k.startswith("hf-assisted") or k == "hf-prompt-lookup"), None)
+        res["speedup_vs_hf_anchor"] = res["tokens_per_s"] / anchor if anchor else None
 
     prof = step_profile(built, ids[0])
     report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason,
@@ -232,16 +241,17 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
     return report
 
 
-def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants):
+def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth=6):
     if kind == "hf":
         return _hf_generate(hf, tok, batch, max_tokens, eos), None
     if kind == "hf-assist":
         return _hf_generate(hf, tok, batch, max_tokens, eos, assistant_model=assistants[spec]), None
     if kind == "hf-lookup":
         return _hf_generate(hf, tok, batch, max_tokens, eos, prompt_lookup_num_tokens=gamma), None
-    g = ("auto" if kind == "engine-adaptive" else gamma) if spec else 0
-    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens), SpeculationParams(draft=spec or "none", gamma=g))
-            for i, p in enumerate(batch)]
+    tree = int(kind.split(":")[1]) if kind.startswith("engine-tree:") else None
+    g = ("auto" if kind == "engine-adaptive" else tree_depth if tree else gamma) if spec else 0
+    reqs = [Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens),
+                    SpeculationParams(draft=spec or "none", gamma=g, tree=tree)) for i, p in enumerate(batch)]
     done = eng.generate(reqs)
     stats = SpecStats()
     for c in done:
@@ -296,20 +306,23 @@ def render(report: dict) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(record=True, width=140)
+    con = Console(record=True, width=160)
     t = Table(title=f"specd bench --local  ({report['model']}, {report['dtype']}, γ={report['gamma']}, "
                     f"{report['prompts']} prompts, ≤{report['max_tokens']} new tokens, greedy)")
-    for col in ("batch", "config", "tok/s", "× hf", "× engine γ=0", "α", "mean acc. len",
-                "α per position", "agree w/ hf"):
-        t.add_column(col, justify="right" if col not in ("config", "α per position") else "left")
+    for col in ("batch", "config", "tok/s", "× hf", "× hf anchor", "× engine γ=0", "α", "tokens/pass",
+                "nodes/pass", "accepted per depth", "agree w/ hf"):
+        t.add_column(col, justify="right" if col not in ("config", "accepted per depth") else "left")
     f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
     for r in sorted(report["results"], key=lambda r: (r["batch"], r["config"])):
         t.add_row(str(r["batch"]), r["config"], f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
-                  f(r["speedup_vs_engine_gamma0"], ".2f"), f(r["acceptance_rate"], ".3f"),
-                  f(r["mean_accepted_length"], ".2f"),
+                  f(r.get("speedup_vs_hf_anchor"), ".2f"), f(r["speedup_vs_engine_gamma0"], ".2f"),
+                  f(r["acceptance_rate"], ".3f"), f(r.get("tokens_per_target_pass"), ".2f"),
+                  f(r.get("nodes_per_pass"), ".1f"),
                   " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "—",
                   f(r["agreement_with_hf"], ".3f"))
     con.print(t)
+    con.print(f"hardware: {report.get('hardware')}; dtype {report['dtype']} ({report.get('dtype_reason', '')}); "
+              "× hf anchor: against HF generate(assistant_model=...) or prompt lookup at batch 1")
     vc = report["verify_cost"]
     con.print("verify pass over T tokens vs 1 token (context %d): " % vc["context"]
               + ", ".join(f"T={k}: {v:.2f}× ({vc['ms'][k]:.1f} ms)" for k, v in vc["ratio_vs_1"].items()))
@@ -329,12 +342,32 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in report["results"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    trees = [r for r in report["results"] if " tree:" in r["config"]]
+    fig, axes = plt.subplots(1 + bool(trees), len(batches), figsize=(6 * len(batches), 4 + 4 * bool(trees)),
+                             squeeze=False)
     for ax, bs in zip(axes[0], batches):
         rs = sorted((r for r in report["results"] if r["batch"] == bs), key=lambda r: r["config"])
         ax.barh([r["config"] for r in rs], [r["tokens_per_s"] for r in rs],
                 color=["#999" if r["config"].startswith("hf") else "#2a7" for r in rs])
         ax.set_title(f"batch {bs}: tokens/s (greedy)")
         ax.set_xlabel("tokens/s")
+    if trees:  # tokens per pass and tokens/s against the node budget (a chain counts γ nodes)
+        for ax, bs in zip(axes[1], batches):
+            for spec in sorted({r["config"].split(" ")[0] for r in trees}):
+                pts = [(report["gamma"], r) for r in report["results"] if r["batch"] == bs and r["config"] == spec]
+                pts += sorted((int(r["config"].split("tree:")[1]), r) for r in trees
+                              if r["batch"] == bs and r["config"].startswith(spec + " tree:"))
+                if not pts:
+                    continue
+                xs = [n for n, _ in pts]
+                ax.plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=f"{spec} tok/s")
+                ax2 = ax.twinx()
+                ax2.plot(xs, [r["tokens_per_target_pass"] or 1 for _, r in pts], "--", marker="s",
+                         label=f"{spec} tokens/pass")
+                ax2.set_ylabel("tokens per target pass")
+            ax.set_xlabel("draft nodes per pass (chain = γ, then tree budgets)")
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"batch {bs}: chain vs trees")
+            ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -209,3 +209,18 @@ def test_overlapped_sampling_keeps_seeded_tokens(tiny):
     got = run_settled(engine(tiny, RemoteDrafter(handle({"a": rep}), "remote")), rep,
                       [request("x", PROMPTS[1], "remote", 3, **params)])["x"]
     assert got == plain and rep.hits > 0
+
+
+def test_remote_drafts_can_be_trees(tiny, refs):
+    """A remote model draft asked for token trees returns them through the draft server
+    (parents and all); the replica keeps the committed view and gets the accepted path back as
+    new tokens. Greedy output equals HF."""
+    rep = overlapped(tiny, 2)
+    rd = RemoteDrafter(handle({"a": rep}), "remote")
+    eng = engine(tiny, rd)
+    reqs = [request(f"r{i}", p, "remote", 4, max_tokens=30) for i, p in enumerate(PROMPTS)]
+    for r in reqs[:2]:
+        r.speculation.tree = 10
+    out = run_settled(eng, rep, reqs)
+    assert [out[f"r{i}"] for i in range(4)] == refs
+    assert eng.batcher.target_passes < 4 * 29 and rep.drafter.num_active() == 0
