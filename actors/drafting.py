@@ -80,7 +80,7 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     groups: dict[str, list[int]] = {}
     for b, s in enumerate(seqs):
         if gammas[b] > 0:
-            groups.setdefault(s.req.draft, []).append(b)
+            groups.setdefault(s.draft, []).append(b)
     fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0)
     for name, rows in groups.items():
         drafter = drafters[name]
@@ -104,7 +104,7 @@ def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Te
     p = s.req.sampling
     ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
-                  tree=tree)
+                  tree=tree, threshold=s.req.speculation.threshold or 0.0)
     if wants_hidden:
         ds.hidden_start = s.hid_sent
         ds.hidden = hidden_buf[s.slot, s.hid_sent:s.hid_len].clone()  # [n, E]

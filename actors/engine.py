@@ -35,9 +35,9 @@ from .drafting import Flight, launch
 from .llama import LlamaRunner, TreeMask
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
-from .policy import SpeculationPolicy
+from .policy import DraftSelector, SpeculationPolicy
 from .sampling import coupled_scores, gumbel_noise, new_generator, process_logits, sample, verify_greedy, verify_sampled
-from .schema import AUTO, Completion, Delta, Limits, Request, SpecStats, validate
+from .schema import AUTO, AUTO_DRAFT, Completion, Delta, Limits, Request, SpecStats, validate
 from .sequence import Sequence
 from .text import TextStream
 
@@ -82,6 +82,9 @@ class SpecEngine:
                 pass_cost = measure(target, max_batch, reps=1)
         self.pass_cost = pass_cost
         self.policy = SpeculationPolicy(pass_cost) if pass_cost is not None else None
+        self.selector = DraftSelector(sorted(self.drafters), self.policy)  # draft "auto"
+        self.entropy_log: list | None = None  # set to [] to record (entropy, accepted, context) per drafted position
+        self.tv_log: list | None = None  # set to [] to record (request key, position, TV) per lossy-ruled position
         self._noise_gen = new_generator(target.device)  # coupled sampling, re-seeded per position
         self.info: dict = {"dtype": str(target.dtype).replace("torch.", "")}  # what it runs on, and why
         # Target hidden states of committed tokens, per slot, for feature-level drafters
@@ -101,6 +104,21 @@ class SpecEngine:
         """Turn pipelining on or off between steps. Turning it off sends no new asynchronous
         draft calls; those in flight are verified by the next steps, then steps are plain."""
         self.micro.on = bool(on)
+
+    def register_drafter(self, name: str, drafter: Drafter | None, default_gamma: int | str = AUTO) -> None:
+        """Add a drafter under `name` (or remove it, with None) between steps; requests may then
+        name it. (A drafter that reads hidden states needs an engine built with one.)"""
+        if drafter is None:
+            self.drafters.pop(name, None)
+        else:
+            if drafter.wants_hidden and self.hidden_buf is None:
+                raise ValueError(f"drafter {name!r} reads hidden states: build the engine with it")
+            self.drafters[name] = drafter
+        gammas = {n: self.limits.drafts.get(n, default_gamma) for n in self.drafters}
+        self.limits = Limits(context=self.limits.context, max_tokens=self.limits.max_tokens,
+                             vocab_size=self.limits.vocab_size, drafts=gammas)
+        self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
+        self.selector = DraftSelector(sorted(self.drafters), self.policy)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, req: Request) -> int:
@@ -173,9 +191,10 @@ class SpecEngine:
             p = req.sampling
             seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(7), "little")
             text = TextStream(self.tokenizer, req.prompt_ids, p.stop) if self.tokenizer is not None else None
+            draft = self.selector.initial(key) if req.draft == AUTO_DRAFT else req.draft
             self.active[key] = Sequence(key=key, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
                                         num_prompt=len(req.prompt_ids), seed=seed,
-                                        gen=new_generator(self.device).manual_seed(seed), text=text)
+                                        gen=new_generator(self.device).manual_seed(seed), text=text, draft=draft)
 
     def _prefill(self, outputs: dict[int, Delta]) -> None:
         """Feed prompt chunks, oldest prompt first, up to `prefill_chunk` tokens in all; each
@@ -258,13 +277,16 @@ class SpecEngine:
     # ---- drafting -----------------------------------------------------------------------------
     def asynchronous_drafter(self, s: Sequence) -> bool:
         """Its drafts come from another process, so they can be in flight during a target pass."""
-        return s.req.draft is not None and self.drafters[s.req.draft].asynchronous
+        return s.draft is not None and self.drafters[s.draft].asynchronous
 
     def launch_drafts(self, seqs: list[Sequence], asynchronous: bool) -> Flight:
         """Choose each row's γ (fixed, or by the speculation policy; never past what the request
         may still emit), mark shadow drafts for rows whose auto drafter is off, and ask the
         drafters (`drafting.launch`)."""
-        rows = [(s.req.draft, min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
+        for s in seqs:
+            if s.req.draft == AUTO_DRAFT and s.flight is None:
+                self._reconsider_draft(s)
+        rows = [(s.draft, 0 if self._gated(s) else min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
         gammas = self.policy.choose(rows, self.tree_drafters) if self.policy is not None else [cap for _, cap, _ in rows]
         shadow = [False] * len(seqs)
         if self.policy is not None:
@@ -276,7 +298,7 @@ class SpecEngine:
                     if wants[d]:
                         gammas[b], shadow[b] = cap, True
         trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
-                 else self.policy.tree_for(s.req.draft) if s.req.auto_gamma and self.policy is not None else 0
+                 else self.policy.tree_for(s.draft) if s.req.auto_gamma and self.policy is not None else 0
                  for b, s in enumerate(seqs)]
         fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees)
         fl.shadow = shadow
@@ -301,6 +323,19 @@ class SpecEngine:
                 s.shadow = (len(s.tokens), d)
             out.append([] if sh else d)
         return out
+
+    def _gated(self, s: Sequence) -> bool:
+        """The entropy gate: no drafting while the target's recent entropy is above the request's gate."""
+        gate = s.req.speculation.entropy_gate
+        return gate is not None and s.entropy > gate
+
+    def _reconsider_draft(self, s: Sequence) -> None:
+        """draft "auto": switch drafters when the selector says so (the new one starts from the
+        committed tokens, as a draft replica re-syncs)."""
+        new = self.selector.reconsider(s.key, s.draft)
+        if new != s.draft:
+            self.drafters[s.draft].release(s.key)
+            s.draft, s.draft_keep, s.hid_sent, s.shadow = new, 0, 0, None
 
     def _room(self, s: Sequence) -> int:
         """Draft no further than the tokens the request may still emit."""
@@ -334,15 +369,21 @@ class SpecEngine:
 
         # Chains: accept the longest acceptable prefix (`sampling` rules).
         n_acc, out = verify_greedy(logits, draft_t, num_draft)  # [B], [B, G+1]
-        coupled = [b for b, s in enumerate(seqs) if s.req.coupled]
+        lossy = [b for b, s in enumerate(seqs) if s.req.acceptance_rule[0] != "lossless" and b not in parents]
+        coupled = [b for b, s in enumerate(seqs) if s.req.coupled and b not in lossy]
         if coupled:  # seeded: exact matching on log p + g (the tokens depend on seed and position only)
             depth = tree.depth[coupled] if tree is not None else None
             scores = self._coupled_scores(logits[coupled], [seqs[b] for b in coupled], G + 1, depth)  # [Bc, G+1, V]
             n_acc[coupled], out[coupled] = verify_greedy(scores, draft_t[coupled], num_draft[coupled])
         sampled = [b for b, s in enumerate(seqs) if not s.req.sampling.greedy and not s.req.coupled
-                   and b not in parents]
+                   and b not in parents and b not in lossy]
         if sampled:
             self._verify_sampled(seqs, sampled, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out)
+        if lossy:
+            self._verify_lossy(seqs, lossy, logits, draft_t, num_draft, n_acc, out)
+        ent_rows = [b for b, s in enumerate(seqs) if s.req.speculation.entropy_gate is not None
+                    or (self.entropy_log is not None and drafts[b])]
+        entropy = _entropy(logits[ent_rows]) if ent_rows else None  # [Be, G+1] nats
         # Trees: each node's choice (argmax, or the coupled sample at its depth) for the walk below.
         choice = logits.argmax(-1)  # [B, G+1]
         if tree is not None and coupled:
@@ -366,6 +407,8 @@ class SpecEngine:
                 paths.append(path)
                 commits.append([drafts[b][i - 1] for i in path] + [bonus])
 
+        if entropy is not None:  # opt-in (entropy gate, entropy log): a second, small transfer
+            self._observe_entropy(seqs, ent_rows, entropy.tolist(), drafts, paths, parents)
         if self.policy is not None:
             self.policy.observe_pass(B, G + 1, t2 - t1)
             for name, rows, _ in group_s:
@@ -386,6 +429,9 @@ class SpecEngine:
                 s.draft_keep += a  # drafter view: committed + k drafts, of which a survive
             depth = max(_depths(parents[b])) if b in parents else None
             s.stats.record(len(drafts[b]), a, depth)
+            if drafts[b] and s.req.draft == AUTO_DRAFT:
+                self.selector.observe(s.key, s.draft, a)
+                s.draft_steps[s.draft] = s.draft_steps.get(s.draft, 0) + 1
             s.stats.draft_s += draft_s[b]
             s.stats.verify_s += t2 - t1
             self._commit(s, commits[b], outputs)
@@ -393,6 +439,63 @@ class SpecEngine:
         self.batcher.target_passes += 1
         self.batcher.rows_verified += B
         self.batcher.verify_s += time.perf_counter() - t1
+
+    def _verify_lossy(self, seqs, rows, logits, draft_t, num_draft, n_acc, out) -> None:
+        """Lossy acceptance, only for sampled requests that ask for it (chains): "topk:K" accepts a
+        draft token among the target's K likeliest; "typical:ε" accepts one whose target probability
+        is at least min(ε, √ε·exp(-H)) (Medusa's typical acceptance, H the target's entropy there).
+        The token after the accepted prefix is drawn from the target's distribution. The output
+        distribution then deviates from the target's: `specd lab` measures by how much."""
+        G = draft_t.shape[1]
+        for b in rows:
+            s = seqs[b]
+            kind, val = s.req.acceptance_rule
+            p = self._process(logits[b:b + 1], [s])[0]  # [G+1, V]
+            k = int(num_draft[b])
+            px = p[:G].gather(-1, draft_t[b, :, None])[:, 0]  # [G]
+            if kind == "topk":
+                ok = (p[:G] > px[:, None]).sum(-1) < val  # rank of the draft token < K
+            else:
+                ent = -(p[:G] * torch.log(p[:G].clamp_min(1e-30))).sum(-1)
+                ok = px >= torch.minimum(torch.full_like(ent, val), val ** 0.5 * torch.exp(-ent))
+            a = 0
+            for j in range(k):  # (a host loop: lossy rows are an opt-in)
+                if not bool(ok[j]):
+                    break
+                a += 1
+            if self.tv_log is not None:  # the rule's deviation at each position it decided, exactly:
+                # an accepted draft x is emitted with probability 1 where the target has p(x), so
+                # TV(emitted, p) = 1 - p(x); the token after the accepted prefix is drawn from p: TV 0.
+                for j in range(a + 1):
+                    self.tv_log.append((s.key, len(s.tokens) + j, 1.0 - float(px[j]) if j < a else 0.0))
+            n_acc[b] = a
+            out[b] = -1
+            out[b, :a] = draft_t[b, :a]
+            out[b, a] = sample(p[a][None], [s.gen])[0]
+
+    def _observe_entropy(self, seqs, rows, ent, drafts, paths, parents) -> None:
+        """The target's entropy at the committed positions (the entropy gate's EMA), and, when the
+        log is on, per drafted chain position: (entropy, accepted, context of the position)."""
+        for i, b in enumerate(rows):
+            s, a = seqs[b], len(paths[b])
+            for j in [0] + paths[b]:  # the distributions that produced this step's committed tokens
+                s.entropy = ent[i][j] if s.entropy == 0 else 0.7 * s.entropy + 0.3 * ent[i][j]
+            if self.entropy_log is not None and b not in parents:
+                prev = [s.tokens[-1]] + drafts[b]  # (not committed yet: the last token is the root)
+                for j in range(len(drafts[b])):
+                    self.entropy_log.append((ent[i][j], j < a, self._context(prev[j], drafts[b][j])))
+
+    def _context(self, prev: int, tok: int) -> str:
+        """Where a drafted token stands: after a sentence end, after other punctuation, inside a
+        word (no leading space), or at a word start."""
+        if self.tokenizer is None:
+            return "word start"
+        p, t = self.tokenizer.decode([prev]), self.tokenizer.decode([tok])
+        if p.rstrip(" ").endswith((".", "!", "?", "\n")) or p.endswith("\n"):
+            return "sentence start"
+        if p.rstrip(" ").endswith((",", ";", ":", ")", "(", '"', "'")):
+            return "after punctuation"
+        return "inside word" if t[:1].isalnum() and p[-1:].isalnum() else "word start"
 
     def _walk_sampled(self, s: Sequence, logits: torch.Tensor, drafts: list[int],
                       parents: list[int]) -> tuple[list[int], int]:
@@ -503,7 +606,7 @@ class SpecEngine:
         done = s.tokens[at:at + len(drafts)]
         matched = next((i for i, (d, t) in enumerate(zip(drafts, done)) if d != t), len(done))
         if matched < len(done) or len(done) == len(drafts) or s.finish_reason is not None:
-            self.policy.observe_shadow(s.req.draft, len(drafts) if matched < len(done) else len(done), matched)
+            self.policy.observe_shadow(s.draft, len(drafts) if matched < len(done) else len(done), matched)
             s.shadow = None
 
     def _finish(self, s: Sequence, reason: str) -> None:
@@ -512,8 +615,10 @@ class SpecEngine:
         self.cache.free(s.slot)
         self.free_slots.append(s.slot)
         self.free_slots.sort()
-        if s.req.draft is not None:
-            self.drafters[s.req.draft].release(s.key)
+        if s.draft is not None:
+            self.drafters[s.draft].release(s.key)
+        if s.req.draft == AUTO_DRAFT:
+            self.selector.release(s.key)
         self.stats.add(s.stats, times=False)  # engine times are wall time, counted per step
 
 
@@ -544,3 +649,9 @@ def _walk(drafts: list[int], parents: list[int], choice: list[int]) -> tuple[lis
             return path, choice[cur]
         path.append(nxt)
         cur = nxt
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...] entropy (nats) of the target's distribution (temperature 1)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)

@@ -233,3 +233,65 @@ class SpeculationPolicy:
                                  "tree": e.tree, "tree_accepted": {b: round(t / c, 3) for b, (t, c) in
                                                                     sorted(e.tree_len.items()) if c}}
                              for d, e in self.est.items()}}
+
+
+class DraftSelector:
+    """`draft: auto`: which of the engine's drafts speculates for a request, chosen per request
+    and re-decided as it runs — a UCB bandit over the tokens each draft earned per verify step
+    for THIS request (its context), with every draft's record over all requests as the prior.
+    A request reconsiders 2 and 4 steps after it started or switched, then every `period`.
+
+    A draft's value is its mean accepted tokens per step, less its drafting time in units of a
+    target pass (a model draft must earn its cost; n-gram drafting is free). Each request starts
+    on the best draft so far and reconsiders every `period` steps; the UCB bonus makes it try a
+    draft it has little evidence on, now and then."""
+
+    def __init__(self, names: list[str], policy: SpeculationPolicy | None, period: int = 8, c: float = 0.6,
+                 prior_weight: float = 2.0):
+        self.names, self.policy, self.period, self.c, self.prior_weight = list(names), policy, period, c, prior_weight
+        self.glob: dict[str, list[float]] = {n: [0.0, 0.0] for n in self.names}  # name -> [sum, count]
+        self.seq: dict[int, dict[str, list[float]]] = {}
+        self.steps: dict[int, int] = {}
+
+    def _cost(self, name: str) -> float:
+        if self.policy is None:
+            return 0.0
+        e = self.policy.est.get(name)
+        return 0.0 if e is None or not e.step_s else e.step_s * max(e.gamma, 1) / max(self.policy.last_pass_s, 1e-6)
+
+    def _value(self, key: int, name: str, bonus: bool) -> float:
+        g_sum, g_n = self.glob[name]
+        prior = g_sum / g_n if g_n else 0.5
+        s_sum, s_n = self.seq.get(key, {}).get(name, [0.0, 0.0])
+        mean = (s_sum + prior * self.prior_weight) / (s_n + self.prior_weight)
+        if bonus:
+            total = sum(v[1] for v in self.seq.get(key, {}).values()) + 1
+            mean += self.c * math.sqrt(math.log(total + 1) / (s_n + 1))
+        return mean - self._cost(name)
+
+    def initial(self, key: int) -> str:
+        self.seq[key] = {}
+        self.steps[key] = 0
+        return max(self.names, key=lambda n: self._value(key, n, bonus=False))
+
+    def reconsider(self, key: int, current: str) -> str:
+        n = self.steps[key] = self.steps.get(key, 0) + 1  # steps since the request's last switch
+        if n not in (2, 4) and n % self.period:  # early looks after a switch, then every `period` steps
+            return current
+        best = max(self.names, key=lambda d: (self._value(key, d, bonus=True), d == current))
+        if best != current:
+            self.steps[key] = 0
+        return best
+
+    def observe(self, key: int, name: str, accepted: int) -> None:
+        """One verify step of `key` drafted by `name` that had `accepted` drafts accepted."""
+        s = self.seq.setdefault(key, {}).setdefault(name, [0.0, 0.0])
+        s[0] += accepted
+        s[1] += 1
+        g = self.glob[name]
+        g[0] = g[0] * 0.999 + accepted
+        g[1] = g[1] * 0.999 + 1
+
+    def release(self, key: int) -> None:
+        self.seq.pop(key, None)
+        self.steps.pop(key, None)

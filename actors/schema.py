@@ -30,6 +30,9 @@ MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range (the proto's uint64)
 NO_DRAFT = "none"  # reserved draft name: speculation off
+AUTO_DRAFT = "auto"  # reserved draft name: the engine picks among its drafts per request (and may switch)
+RESERVED_DRAFTS = (NO_DRAFT, AUTO_DRAFT)
+MAX_TOPK_ACCEPT = 1000
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -58,6 +61,15 @@ class SpeculationParams:
     # Token tree: its node budget (depth at most γ). None = the policy decides under γ "auto"
     # (a chain with a fixed γ); 0 = always a chain.
     tree: int | None = None
+    # Confidence threshold τ: the draft stops as soon as its probability for the next token (for
+    # a tree: the cumulative path probability) falls below τ. None = the server's default.
+    threshold: float | None = None
+    # Entropy gate: no drafting while the target's recent entropy (nats, an EMA over committed
+    # positions) exceeds this. None = off.
+    entropy_gate: float | None = None
+    # "lossless" (the default), "topk:K" (accept a draft token among the target's K likeliest) or
+    # "typical:EPS" (Medusa's typical acceptance). Lossy rules never apply to greedy requests.
+    acceptance: str = "lossless"
 
 
 @dataclass
@@ -85,6 +97,15 @@ class Request:
         return AUTO_MAX_GAMMA if self.speculation.gamma == AUTO else self.speculation.gamma
 
     @property
+    def acceptance_rule(self) -> tuple[str, float]:
+        """("lossless", 0) | ("topk", K) | ("typical", ε); lossy rules never for greedy requests."""
+        a = self.speculation.acceptance
+        if a == "lossless" or self.sampling.greedy:
+            return ("lossless", 0.0)
+        kind, _, val = a.partition(":")
+        return (kind, float(val))
+
+    @property
     def coupled(self) -> bool:
         """Sampled with a seed: coupled acceptance, so the tokens depend on the seed only."""
         return not self.sampling.greedy and self.sampling.seed is not None
@@ -99,11 +120,13 @@ class Limits:
     drafts: Mapping[str, int | str] = field(default_factory=dict)
     default_draft: str = NO_DRAFT
     default_max_tokens: int = 128
+    default_threshold: float = 0.0  # τ when a request leaves it unset (0: never stop early)
 
     def __post_init__(self):
-        if NO_DRAFT in self.drafts:
-            raise ValueError(f"{NO_DRAFT!r} is reserved (speculation off)")
-        if self.default_draft != NO_DRAFT and self.default_draft not in self.drafts:
+        for r in RESERVED_DRAFTS:
+            if r in self.drafts:
+                raise ValueError(f"draft name {r!r} is reserved")
+        if self.default_draft not in RESERVED_DRAFTS and self.default_draft not in self.drafts:
             raise ValueError(f"default draft {self.default_draft!r} is not one of {[NO_DRAFT, *self.drafts]}")
         if not 1 <= self.max_tokens < self.context:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be in [1, context ({self.context}))")
@@ -150,21 +173,49 @@ def validate(req: Request, limits: Limits) -> Request:
         raise ValueError("sampling.stop strings must be non-empty strings")
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft
-    if draft != NO_DRAFT and draft not in limits.drafts:
-        raise ValueError(f"speculation.draft {draft!r} is unknown; available: {[NO_DRAFT, *limits.drafts]}")
+    if draft not in RESERVED_DRAFTS and draft not in limits.drafts:
+        raise ValueError(f"speculation.draft {draft!r} is unknown; available: {[*RESERVED_DRAFTS, *limits.drafts]}")
+    if draft == AUTO_DRAFT and not limits.drafts:
+        raise ValueError("speculation.draft 'auto' needs at least one draft; this server has none")
     if sp.gamma is None:
-        gamma = limits.drafts[draft] if draft != NO_DRAFT else 0
+        gamma = 0 if draft == NO_DRAFT else AUTO if draft == AUTO_DRAFT else limits.drafts[draft]
     else:
         gamma = sp.gamma
         if gamma != AUTO and (not _is_int(gamma) or not 0 <= gamma <= MAX_GAMMA):
             raise ValueError(f"speculation.gamma must be in [0, {MAX_GAMMA}] or {AUTO!r}, got {gamma!r}")
     if sp.tree is not None and (not _is_int(sp.tree) or not 0 <= sp.tree <= MAX_TREE):
         raise ValueError(f"speculation.tree must be in [0, {MAX_TREE}], got {sp.tree!r}")
+    threshold = limits.default_threshold if sp.threshold is None else sp.threshold
+    if not _is_num(threshold) or not 0 <= threshold <= 1:
+        raise ValueError(f"speculation.threshold must be in [0, 1], got {threshold!r}")
+    if sp.entropy_gate is not None and (not _is_num(sp.entropy_gate) or sp.entropy_gate < 0):
+        raise ValueError(f"speculation.entropy_gate must be a number of nats >= 0, got {sp.entropy_gate!r}")
+    _check_acceptance(sp.acceptance)
     if draft == NO_DRAFT or gamma == 0:
         draft, gamma = NO_DRAFT, 0
     return replace(req, prompt_ids=list(ids),
                    sampling=replace(s, max_tokens=max_tokens, stop=stop),
-                   speculation=SpeculationParams(draft=draft, gamma=gamma, tree=sp.tree))
+                   speculation=SpeculationParams(draft=draft, gamma=gamma, tree=sp.tree, threshold=threshold,
+                                                 entropy_gate=sp.entropy_gate, acceptance=sp.acceptance))
+
+
+def _check_acceptance(a) -> None:
+    msg = (f"speculation.acceptance must be 'lossless', 'topk:K' with K in [1, {MAX_TOPK_ACCEPT}] or "
+           f"'typical:EPS' with EPS in (0, 1), got {a!r}")
+    if not isinstance(a, str):
+        raise ValueError(msg)
+    if a == "lossless":
+        return
+    kind, _, val = a.partition(":")
+    try:
+        v = float(val)
+    except ValueError:
+        raise ValueError(msg) from None
+    if kind == "topk" and val.isdigit() and 1 <= int(val) <= MAX_TOPK_ACCEPT:
+        return
+    if kind == "typical" and 0 < v < 1:
+        return
+    raise ValueError(msg)
 
 
 def validate_messages(messages: list) -> list[dict]:

@@ -38,6 +38,9 @@ class Sequence:
     hid_sent: int = 0  # of those, how many the drafter has received
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    draft: str | None = None  # the drafter speculating for it now (with draft "auto": the selector's pick)
+    entropy: float = 0.0  # EMA of the target's entropy (nats) at its committed positions (entropy gate)
+    draft_steps: dict = field(default_factory=dict)  # drafter -> verify steps it drafted (draft "auto")
     shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
     mb: int | None = None  # pipelined: which micro-batch (0 or 1) verifies it
     flight: "Flight | None" = None  # pipelined: draft calls sent for it, not yet verified

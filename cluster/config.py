@@ -18,7 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.schema import MAX_GAMMA, NO_DRAFT, Limits
+from actors.schema import MAX_GAMMA, RESERVED_DRAFTS, Limits
 
 LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: `specd serve`, `make demo`
 
@@ -128,7 +128,10 @@ class RouterConfig(DeploymentSpec):
     max_tokens: int = Field(512, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(128, ge=1)
     coalesce: bool = Field(True, description="identical in-flight requests share one generation")
-    default_draft: str = Field("none", description="draft used when a request names none")
+    default_draft: str = Field("none", description="draft used when a request names none ('auto': the "
+                               "engine picks per request among the drafts)")
+    default_threshold: float = Field(0.0, ge=0, le=1, description="confidence threshold τ when a request sets "
+                                     "none: drafting stops below it (0: never)")
 
 
 class ClusterConfig(_Strict):
@@ -154,11 +157,12 @@ class ClusterConfig(_Strict):
         names = [d.name for d in self.drafts]
         if len(set(names)) != len(names):
             raise ValueError(f"draft names must be unique, got {names}")
-        if NO_DRAFT in names:
-            raise ValueError(f"{NO_DRAFT!r} is reserved (speculation off)")
-        if self.router.default_draft not in (NO_DRAFT, *names):
+        for r in RESERVED_DRAFTS:
+            if r in names:
+                raise ValueError(f"draft name {r!r} is reserved")
+        if self.router.default_draft not in (*RESERVED_DRAFTS, *names):
             raise ValueError(f"router.default_draft {self.router.default_draft!r} is not one of "
-                             f"{[NO_DRAFT, *names]}")
+                             f"{[*RESERVED_DRAFTS, *names]}")
         if self.router.default_max_tokens > self.router.max_tokens:
             raise ValueError("router.default_max_tokens exceeds router.max_tokens")
         if self.router.max_tokens >= self.max_len:
@@ -169,7 +173,8 @@ class ClusterConfig(_Strict):
         """What the router admits (the request schema's limits)."""
         return Limits(context=self.max_len, max_tokens=self.router.max_tokens,
                       drafts={d.name: d.default_gamma for d in self.drafts},
-                      default_draft=self.router.default_draft, default_max_tokens=self.router.default_max_tokens)
+                      default_draft=self.router.default_draft, default_max_tokens=self.router.default_max_tokens,
+                      default_threshold=self.router.default_threshold)
 
     def draft(self, name: str) -> DraftConfig:
         for d in self.drafts:

@@ -24,12 +24,14 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:
-    tree = sp.tree if sp.HasField("tree") else None
-    if sp.gamma_auto:
-        if sp.HasField("gamma"):
-            raise ValueError("speculation.gamma_auto and speculation.gamma are exclusive: set one")
-        return SpeculationParams(draft=sp.draft or None, gamma=AUTO, tree=tree)
-    return SpeculationParams(draft=sp.draft or None, gamma=sp.gamma if sp.HasField("gamma") else None, tree=tree)
+    if sp.gamma_auto and sp.HasField("gamma"):
+        raise ValueError("speculation.gamma_auto and speculation.gamma are exclusive: set one")
+    return SpeculationParams(
+        draft=sp.draft or None, gamma=AUTO if sp.gamma_auto else sp.gamma if sp.HasField("gamma") else None,
+        tree=sp.tree if sp.HasField("tree") else None,
+        threshold=sp.threshold if sp.HasField("threshold") else None,
+        entropy_gate=sp.entropy_gate if sp.HasField("entropy_gate") else None,
+        acceptance=sp.acceptance or "lossless")
 
 
 def stats_to_proto(st: SpecStats) -> specd_pb2.SpecStats:

@@ -49,16 +49,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("draft", "gamma", "gamma_auto", "tree")
+    __slots__ = ("draft", "gamma", "gamma_auto", "tree", "threshold", "entropy_gate", "acceptance")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     GAMMA_AUTO_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_GATE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     draft: str
     gamma: int
     gamma_auto: bool
     tree: int
-    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., gamma_auto: _Optional[bool] = ..., tree: _Optional[int] = ...) -> None: ...
+    threshold: float
+    entropy_gate: float
+    acceptance: str
+    def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., gamma_auto: _Optional[bool] = ..., tree: _Optional[int] = ..., threshold: _Optional[float] = ..., entropy_gate: _Optional[float] = ..., acceptance: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "sampling", "speculation")

@@ -10,6 +10,7 @@
   specd serve [--config FILE]       start Ray + the Serve app (gRPC), until Ctrl-C
   specd generate --address H:P ...  generate through a running cluster with the client SDK
   specd distill ...                 train a draft from the target (see specd/distill.py)
+  specd lab [--quick]               measure the seed's claims on your target and drafts (out/lab/report.md)
   specd cost BENCH.json --rps R --tokens N
                                     $/1M tokens, J/token, replicas and latency per option and accelerator
 """
@@ -65,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
                         "speculation off where it does not pay (ignored with --draft none)")
     g.add_argument("--tree", type=int, default=None,
                    help="draft a token tree of at most N nodes (depth <= gamma); 0: chains; default: the policy decides")
+    g.add_argument("--threshold", type=float, default=None,
+                   help="confidence threshold τ: the draft stops below this probability (lossless)")
+    g.add_argument("--entropy-gate", type=float, default=None,
+                   help="no drafting while the target's recent entropy exceeds this many nats (lossless)")
+    g.add_argument("--acceptance", default="lossless",
+                   help="lossless | topk:K | typical:EPS (lossy; sampled requests only)")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     _add_model_args(g)
 
@@ -127,8 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     from .cost import add_parser as add_cost
     from .distill import add_parser as add_distill
+    from .lab import add_parser as add_lab
     add_distill(sub)
     add_cost(sub)
+    add_lab(sub)
     return ap
 
 
@@ -136,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
-                "serve": _serve, "distill": _distill, "cost": _cost}[args.cmd](args)
+                "serve": _serve, "distill": _distill, "cost": _cost,
+                "lab": _lab}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
+
+
+def _lab(args) -> int:
+    from .lab import run
+    return run(args)
 
 
 def _cost(args) -> int:
@@ -191,7 +206,8 @@ def _generate_remote(args) -> int:
         kw = dict(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   stop=args.stop or None, draft=args.draft, gamma=0 if args.draft == "none" else args.gamma,
-                  tree=args.tree)
+                  tree=args.tree, threshold=args.threshold, entropy_gate=args.entropy_gate,
+                  acceptance=args.acceptance)
         try:
             if args.json:
                 r = client.generate(**kw)
@@ -222,7 +238,9 @@ def _generate(args) -> int:
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k, seed=args.seed, stop=tuple(args.stop)),
-                  SpeculationParams(draft=args.draft, gamma=args.gamma if args.draft != "none" else 0, tree=args.tree))
+                  SpeculationParams(draft=args.draft, gamma=args.gamma if args.draft != "none" else 0, tree=args.tree,
+                                    threshold=args.threshold, entropy_gate=args.entropy_gate,
+                                    acceptance=args.acceptance))
     eng = built.engine
     key = eng.add_request(req)
     t0 = time.perf_counter()

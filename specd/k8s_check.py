@@ -33,9 +33,10 @@ import ast
 import os
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import yaml
@@ -115,8 +116,7 @@ for _name, (_lo, _hi) in INT_RANGES.items():
 def _schema_errors(doc: dict, schema: dict) -> Iterator[Problem]:
     v = jsonschema.Draft4Validator(_to_json_schema(schema), format_checker=_FORMATS)
     for e in v.iter_errors(doc):
-        for p in _expand(e):
-            yield p
+        yield from _expand(e)
 
 
 def _expand(e: jsonschema.ValidationError) -> Iterator[Problem]:

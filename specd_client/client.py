@@ -225,7 +225,8 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = None, draft: str | None = None,
-                  gamma: int | str | None = None, tree: int | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
+                  gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
+                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
     """The GenerateRequest for these arguments. None = unset = the server's default.
 
     Exactly one of `prompt` (raw text) and `messages` (chat turns: mappings with
@@ -264,6 +265,12 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         req.speculation.gamma = gamma
     if tree is not None:
         req.speculation.tree = tree
+    if threshold is not None:
+        req.speculation.threshold = threshold
+    if entropy_gate is not None:
+        req.speculation.entropy_gate = entropy_gate
+    if acceptance is not None:
+        req.speculation.acceptance = acceptance
     return req
 
 
@@ -392,18 +399,21 @@ class SpecdClient(_Base):
                  max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, draft: str | None = None,
-                 gamma: int | str | None = None, tree: int | None = None, request_id: str | None = None,
+                 gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
+                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
                  timeout: float | None = _DEFAULT) -> Result:
         """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
         req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, request_id=request_id)
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
+                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
         return _result(self._unary(self._stub.Generate, req, timeout, "Generate"))
 
     def stream(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
                max_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: str | Sequence[str] | None = None, draft: str | None = None,
-               gamma: int | str | None = None, tree: int | None = None, request_id: str | None = None,
+               gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
+                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
                timeout: float | None = _DEFAULT) -> Iterator[Chunk]:
         """Stream a completion as Chunk deltas (GenerateStream).
 
@@ -412,7 +422,8 @@ class SpecdClient(_Base):
         the RPC, which aborts the generation server-side.
         """
         req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, request_id=request_id)
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
+                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
         return self._stream(req, timeout)
 
     def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> Iterator[Chunk]:
@@ -516,18 +527,21 @@ class AsyncSpecdClient(_Base):
                        max_tokens: int | None = None, temperature: float | None = None,
                        top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                        stop: str | Sequence[str] | None = None, draft: str | None = None,
-                       gamma: int | str | None = None, tree: int | None = None, request_id: str | None = None,
+                       gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
+                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
                        timeout: float | None = _DEFAULT) -> Result:
         """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
         req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, request_id=request_id)
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
+                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
         return _result(await self._unary(lambda: self._stub.Generate, req, timeout, "Generate"))
 
     def stream(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
                max_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: str | Sequence[str] | None = None, draft: str | None = None,
-               gamma: int | str | None = None, tree: int | None = None, request_id: str | None = None,
+               gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
+                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
                timeout: float | None = _DEFAULT) -> AsyncIterator[Chunk]:
         """Stream a completion as Chunk deltas: `async for chunk in client.stream(...)`.
 
@@ -536,7 +550,8 @@ class AsyncSpecdClient(_Base):
         contextlib.aclosing) cancels the RPC, aborting the generation server-side.
         """
         req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, request_id=request_id)
+                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
+                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
         return self._stream(req, timeout)
 
     async def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> AsyncIterator[Chunk]:

@@ -30,6 +30,14 @@ def tiny_draft():
 
 
 @pytest.fixture(scope="session")
+def small_tiny():
+    """A tiny random llama with a vocabulary of 8: output laws small enough to compare exactly."""
+    from actors.models import LoadedModel, build_tiny
+
+    return LoadedModel(build_tiny(0, vocab_size=8), None, "tiny8")
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct in fp32, with its tokenizer."""
     return load_model("smollm2", "fp32")

@@ -42,6 +42,9 @@ class DraftSeq:
     # Propose a token tree of at most `tree` nodes and depth `gamma` instead of a chain (0: a
     # chain). A drafter that cannot draft trees proposes a chain (Proposal.parents None).
     tree: int = 0
+    # Stop proposing once the draft's probability for its next token (for a tree: a node's
+    # cumulative path probability) falls below this (0: never).
+    threshold: float = 0.0
     # Target final hidden states for committed tokens, for feature-level drafters
     # (EAGLE-style heads): hidden[i] belongs to token view[hidden_start + i]. Only
     # filled when the drafter sets `wants_hidden`.

@@ -11,6 +11,8 @@ costs no memory beyond its KV cache and needs no training to be usable.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..llama import LlamaRunner
@@ -96,6 +98,8 @@ class ModelDrafter(Drafter):
         vmap = self.vocab_map
         K = self.record_topk
         topk = torch.zeros(B, G, K, dtype=torch.long, device=dev) if K else None  # [B, G, K]
+        tau = [s.threshold for s in seqs]
+        conf = torch.ones(B, G, device=dev) if any(tau) else None  # [B, G] draft prob of each drafted token
         for j in range(G):
             logits = self.runner.logits(last).float()  # [B, R]
             tok = logits.argmax(-1)  # head rows
@@ -119,13 +123,18 @@ class ModelDrafter(Drafter):
                 noise = torch.stack([gumbel_noise(seqs[b].seed, [base[i] + j], self.vocab_size, q.device,
                                                   self._noise_gen)[0] for i, b in zip(live, rows)])  # [Bc, V]
                 tok[rows] = coupled_scores(q, noise if vmap is None else noise[:, vmap]).argmax(-1)
+            if conf is not None:  # the draft's own probability of what it proposed (before the vocab map)
+                conf[:, j] = torch.softmax(logits, -1).gather(1, tok[:, None])[:, 0]
             tok = tok if vmap is None else vmap[tok]  # target token ids
             tokens[:, j] = tok
             if j + 1 < G:  # the last draft is proposed, not fed: the target verifies it
                 last = self._advance(s_slots, tok[order], last[order])[inv]
         num_draft = [s.gamma for s in seqs]
-        for s, row in zip(seqs, tokens.tolist()):
-            self.views[s.seq_id].extend(row[:s.gamma])
+        if conf is not None:  # the confidence threshold: stop before the first token below τ
+            low = (conf < torch.tensor(tau, device=dev)[:, None]).tolist()
+            num_draft = [next((j for j in range(s.gamma) if low[b][j]), s.gamma) for b, s in enumerate(seqs)]
+        for s, row, k in zip(seqs, tokens.tolist(), num_draft):
+            self.views[s.seq_id].extend(row[:k])
         return Proposal(tokens=tokens, num_draft=num_draft, probs=probs, topk=topk)
 
     # ---- token trees (EAGLE-2's dynamic tree) -------------------------------------------------------
@@ -176,8 +185,12 @@ class ModelDrafter(Drafter):
             for fi, (nid, _, cum) in enumerate(frontier):
                 for lp, t in zip(top.values[fi].tolist(), top.indices[fi].tolist()):
                     cands.append((cum + lp, int(t if vmap is None else vmap[t]), nid))
+            if s.threshold > 0:  # a node whose path probability is below τ is not proposed
+                cands = [c for c in cands if c[0] >= math.log(s.threshold)]
             cands.sort(key=lambda c: -c[0])
             chosen = cands[:K]
+            if not chosen:
+                break
             ids = []
             for cum, tok, parent in chosen:
                 nodes.append((tok, parent, cum, depth))
