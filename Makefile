@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster gpu-check protos clean
+.PHONY: setup demo demo-local test bench bench-cluster gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,3 +49,14 @@ protos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out
+
+# k8s/ against the KubeRay RayService CRD (../shared/k8s-schemas/, or KUBERAY_CRD=...) and the
+# core objects against kubernetes-validate (specd/k8s_check.py); outside `make test`
+k8s-check: $(STAMP)
+	$(BIN)/python -m specd.k8s_check
+
+# the request fuzzer of `make test` (tests/cluster/test_fuzz.py) with more examples and time
+FUZZ_EXAMPLES ?= 3000
+FUZZ_SECONDS  ?= 900
+fuzz: $(STAMP)
+	SPECD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECD_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/cluster/test_fuzz.py

@@ -23,9 +23,7 @@ Writes report.md, lab.json and PNG figures into --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -388,7 +386,6 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     main = drafts[1] if len(drafts) > 1 else drafts[0]
-    sections: list[tuple[str, str, dict, str]] = []  # (claim, command, result, figure)
 
     def section(claim, fn, *a):
         t = time.perf_counter()

@@ -4,7 +4,6 @@ bad Service each fail, naming the path. Needs no network and no Kubernetes."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import yaml
@@ -74,7 +73,8 @@ def test_what_the_api_server_checks_beyond_json_schema(crd, shipped):
     doc["spec"]["managedBy"] = "me"  # CEL: self in ['ray.io/kuberay-operator', ...]
     del doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["groupName"]  # required
     found = {p.path: p.message for p in K.check_custom(doc, crd)}
-    assert "duplicate" in found[f"spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].ports[{len(ports) - 1}]"]
+    head = "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0]"
+    assert "duplicate" in found[f"{head}.ports[{len(ports) - 1}]"]
     assert "managedBy" in found["spec.managedBy"]
     assert "required" in found["spec.rayClusterConfig.workerGroupSpecs[0].groupName"]
     assert len(found) == 3
