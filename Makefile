@@ -59,4 +59,4 @@ k8s-check: $(STAMP)
 FUZZ_EXAMPLES ?= 3000
 FUZZ_SECONDS  ?= 900
 fuzz: $(STAMP)
-	SPECD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECD_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q tests/cluster/test_fuzz.py
+	SPECD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECD_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/cluster/test_fuzz.py

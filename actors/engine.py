@@ -29,6 +29,7 @@ from collections import deque
 
 import torch
 
+from .beam import BeamGroup, BeamSearch, advance
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Flight, launch
@@ -68,7 +69,8 @@ class SpecEngine:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
         gammas = {name: (default_gamma or {}).get(name, AUTO) for name in self.drafters}
-        self.limits = Limits(context=max_len, max_tokens=max_len - 1, vocab_size=target.vocab_size, drafts=gammas)
+        self.limits = Limits(context=max_len, max_tokens=max_len - 1, vocab_size=target.vocab_size, drafts=gammas,
+                             max_beams=max_batch)
         self.device = target.device
         self.cache = target.new_cache(max_batch, max_len + KV_HEADROOM)
         self.waiting: deque[tuple[int, Request]] = deque()
@@ -116,7 +118,7 @@ class SpecEngine:
             self.drafters[name] = drafter
         gammas = {n: self.limits.drafts.get(n, default_gamma) for n in self.drafters}
         self.limits = Limits(context=self.limits.context, max_tokens=self.limits.max_tokens,
-                             vocab_size=self.limits.vocab_size, drafts=gammas)
+                             vocab_size=self.limits.vocab_size, drafts=gammas, max_beams=self.max_batch)
         self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
         self.selector = DraftSelector(sorted(self.drafters), self.policy)
 
@@ -156,7 +158,7 @@ class SpecEngine:
         return len(self.waiting)
 
     def kv_slots_in_use(self) -> int:
-        return len(self.active)
+        return self.max_batch - len(self.free_slots)
 
     def is_active(self, s: Sequence) -> bool:
         return self.active.get(s.key) is s
@@ -177,7 +179,8 @@ class SpecEngine:
         outputs: dict[int, Delta] = {}
         self._admit()
         self._prefill(outputs)
-        seqs = sorted((s for s in self.active.values() if s.decoding), key=lambda s: s.slot)
+        seqs = sorted((m for s in self.active.values() if s.decoding for m in (s.beam.members if s.beam else [s])),
+                      key=lambda s: s.slot)
         if seqs:
             if self.micro.wanted(self, seqs):
                 self.micro.step(self, seqs, outputs)
@@ -186,15 +189,29 @@ class SpecEngine:
         return outputs
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
+        """Admit waiting requests in order while there are KV slots: one per sequence, B for a
+        beam request (the first that does not fit waits, and so does everything behind it)."""
+        while self.waiting and len(self.free_slots) >= self.waiting[0][1].sampling.num_beams:
             key, req = self.waiting.popleft()
             p = req.sampling
             seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(7), "little")
             text = TextStream(self.tokenizer, req.prompt_ids, p.stop) if self.tokenizer is not None else None
             draft = self.selector.initial(key) if req.draft == AUTO_DRAFT else req.draft
-            self.active[key] = Sequence(key=key, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
-                                        num_prompt=len(req.prompt_ids), seed=seed,
-                                        gen=new_generator(self.device).manual_seed(seed), text=text, draft=draft)
+            self.active[key] = s = Sequence(key=key, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
+                                            num_prompt=len(req.prompt_ids), seed=seed,
+                                            gen=new_generator(self.device).manual_seed(seed), text=text, draft=draft)
+            if p.num_beams > 1:
+                # The other members hold their slots from now on, and get the prompt's KV once it is
+                # prefilled (`_beam_start`). Their keys (for the drafters) come from the same counter.
+                others = [Sequence(key=self._next_key + i, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
+                                   num_prompt=len(req.prompt_ids), seed=seed, gen=s.gen, text=None, draft=draft)
+                          for i in range(p.num_beams - 1)]
+                self._next_key += p.num_beams - 1
+                eos = set() if p.ignore_eos else self.eos
+                s.beam = BeamGroup(BeamSearch(p.num_beams, eos, p.max_tokens, p.length_penalty, p.early_stopping),
+                                   leader=s, members=[s] + others)
+                for m in others:
+                    m.beam = s.beam
 
     def _prefill(self, outputs: dict[int, Delta]) -> None:
         """Feed prompt chunks, oldest prompt first, up to `prefill_chunk` tokens in all; each
@@ -231,8 +248,13 @@ class SpecEngine:
         if done:
             logits = self.target.logits(torch.stack(last)).float()  # [B, V]
             # The KV holds the prompt; the first token is committed but not in it: the invariant holds.
-            for s, tok in zip(done, self._sample_one(done, logits)):
-                self._commit(s, [tok], outputs)
+            plain = [b for b, s in enumerate(done) if s.beam is None]
+            if plain:
+                for s, tok in zip([done[b] for b in plain], self._sample_one([done[b] for b in plain], logits[plain])):
+                    self._commit(s, [tok], outputs)
+            for b, s in enumerate(done):
+                if s.beam is not None:
+                    self._beam_start(s.beam, logits[b], outputs)
         dt = time.perf_counter() - t0
         self.stats.verify_s += dt
         self.batcher.prefill_s += dt
@@ -277,14 +299,14 @@ class SpecEngine:
     # ---- drafting -----------------------------------------------------------------------------
     def asynchronous_drafter(self, s: Sequence) -> bool:
         """Its drafts come from another process, so they can be in flight during a target pass."""
-        return s.draft is not None and self.drafters[s.draft].asynchronous
+        return s.draft is not None and self.drafters[s.draft].asynchronous and s.beam is None
 
     def launch_drafts(self, seqs: list[Sequence], asynchronous: bool) -> Flight:
         """Choose each row's γ (fixed, or by the speculation policy; never past what the request
         may still emit), mark shadow drafts for rows whose auto drafter is off, and ask the
         drafters (`drafting.launch`)."""
         for s in seqs:
-            if s.req.draft == AUTO_DRAFT and s.flight is None:
+            if s.req.draft == AUTO_DRAFT and s.flight is None and s.beam is None:
                 self._reconsider_draft(s)
         rows = [(s.draft, 0 if self._gated(s) else min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
         gammas = self.policy.choose(rows, self.tree_drafters) if self.policy is not None else [cap for _, cap, _ in rows]
@@ -292,7 +314,7 @@ class SpecEngine:
         if self.policy is not None:
             wants: dict[str, bool] = {}
             for b, (s, (d, cap, auto)) in enumerate(zip(seqs, rows)):
-                if auto and gammas[b] == 0 and cap > 0 and s.shadow is None:
+                if auto and gammas[b] == 0 and cap > 0 and s.shadow is None and s.beam is None:
                     if d not in wants:
                         wants[d] = self.policy.wants_shadow(d, free=self.drafters[d].free_drafting)
                     if wants[d]:
@@ -369,7 +391,8 @@ class SpecEngine:
 
         # Chains: accept the longest acceptable prefix (`sampling` rules).
         n_acc, out = verify_greedy(logits, draft_t, num_draft)  # [B], [B, G+1]
-        lossy = [b for b, s in enumerate(seqs) if s.req.acceptance_rule[0] != "lossless" and b not in parents]
+        lossy = [b for b, s in enumerate(seqs) if s.req.acceptance_rule[0] != "lossless" and b not in parents
+                 and s.beam is None]
         coupled = [b for b, s in enumerate(seqs) if s.req.coupled and b not in lossy]
         if coupled:  # seeded: exact matching on log p + g (the tokens depend on seed and position only)
             depth = tree.depth[coupled] if tree is not None else None
@@ -381,8 +404,8 @@ class SpecEngine:
             self._verify_sampled(seqs, sampled, logits, drafts, draft_t, num_draft, draft_probs, n_acc, out)
         if lossy:
             self._verify_lossy(seqs, lossy, logits, draft_t, num_draft, n_acc, out)
-        ent_rows = [b for b, s in enumerate(seqs) if s.req.speculation.entropy_gate is not None
-                    or (self.entropy_log is not None and drafts[b])]
+        ent_rows = [b for b, s in enumerate(seqs) if s.beam is None and (
+            s.req.speculation.entropy_gate is not None or (self.entropy_log is not None and drafts[b]))]
         entropy = _entropy(logits[ent_rows]) if ent_rows else None  # [Be, G+1] nats
         # Trees: each node's choice (argmax, or the coupled sample at its depth) for the walk below.
         choice = logits.argmax(-1)  # [B, G+1]
@@ -394,7 +417,10 @@ class SpecEngine:
         res = self._to_host(torch.cat([n_acc[:, None], out] + ([choice] if tree is not None else []), 1))
         paths, commits = [], []
         for b, r in enumerate(res):
-            if b not in parents:
+            if seqs[b].beam is not None:  # beam rows: `_beam_advance` below
+                paths.append([])
+                commits.append([])
+            elif b not in parents:
                 a = r[0]
                 paths.append(list(range(1, a + 1)))
                 commits.append(r[1:a + 2])
@@ -413,11 +439,15 @@ class SpecEngine:
             self.policy.observe_pass(B, G + 1, t2 - t1)
             for name, rows, _ in group_s:
                 for is_tree in (False, True):
-                    sub = [b for b in rows if drafts[b] and (b in parents) == is_tree]
+                    sub = [b for b in rows if drafts[b] and (b in parents) == is_tree and seqs[b].beam is None]
                     if sub:
                         self.policy.observe_verified(name, [len(drafts[b]) for b in sub],
                                                      [len(paths[b]) for b in sub], tree=is_tree)
+        groups: dict[int, BeamGroup] = {}
         for b, s in enumerate(seqs):
+            if s.beam is not None:
+                groups[id(s.beam)] = s.beam
+                continue
             path = paths[b]
             a = len(path)
             # KV now holds [.., last, d_1..d_k] (in feed order); keep [.., last, the accepted path].
@@ -435,6 +465,13 @@ class SpecEngine:
             s.stats.draft_s += draft_s[b]
             s.stats.verify_s += t2 - t1
             self._commit(s, commits[b], outputs)
+        if groups:
+            row = {id(s): b for b, s in enumerate(seqs)}
+            for g in groups.values():
+                self._beam_advance(g, [row[id(m)] for m in g.members], logits, hidden, starts, drafts, parents,
+                                   outputs)
+                g.leader.stats.draft_s += max(draft_s[row[id(m)]] for m in g.members)
+                g.leader.stats.verify_s += t2 - t1
         self.stats.verify_s += t2 - t1
         self.batcher.target_passes += 1
         self.batcher.rows_verified += B
@@ -568,6 +605,93 @@ class SpecEngine:
         self.hidden_buf[s.slot, s.hid_len:s.hid_len + len(h)] = h
         s.hid_len += len(h)
 
+    # ---- beam search ---------------------------------------------------------------------------
+    def _beam_start(self, g: BeamGroup, logits: torch.Tensor, outputs: dict[int, Delta]) -> None:
+        """The prompt is prefilled in the leader's slot: take the first beam step from its last
+        logits [V], and give every member the prompt's KV (copy-on-fork)."""
+        lead = g.leader
+        lp = torch.log_softmax(logits.float(), -1)
+        adv = advance(g.search, lambda i, node: lp, [{} for _ in g.members])
+        n = self.cache.lengths[lead.slot]  # the prompt
+        for m, a in zip(g.members, adv):
+            if m is not lead:
+                self.cache.fork(lead.slot, m.slot, n, [])
+                if self.hidden_buf is not None:
+                    self.hidden_buf[m.slot, :n] = self.hidden_buf[lead.slot, :n]
+                m.prefilled, m.hid_len = m.num_prompt, lead.hid_len
+            m.tokens = list(m.req.prompt_ids) + a.tokens
+        lead.stats.record(0, 0)
+        if g.search.done:
+            self._beam_finish(g, outputs)
+
+    def _beam_advance(self, g: BeamGroup, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor,
+                      starts: list[int], drafts: list[list[int]], parents: dict[int, list[int]],
+                      outputs: dict[int, Delta]) -> None:
+        """After a pass: take every beam step the drafts allow (`beam.advance`), then rebuild each
+        member's KV, hidden states, tokens and drafter rollback point for the beam it now carries.
+        rows[i]: member i's row in the pass."""
+        lp = torch.log_softmax(logits[rows], -1)  # [B, G+1, V]
+        kids = []
+        for b in rows:
+            ch: dict[int, dict[int, int]] = {}
+            for i, (par, tok) in enumerate(zip(parents.get(b, range(len(drafts[b]))), drafts[b]), start=1):
+                ch.setdefault(par, {}).setdefault(tok, i)
+            kids.append(ch)
+        adv = advance(g.search, lambda i, node: lp[i, node], kids)
+        # A new beam continues in its origin's slot if it is the origin's first child; the others
+        # take the slots of beams that died.
+        owner: list[int | None] = [None] * len(adv)
+        taken: set[int] = set()
+        for j, a in enumerate(adv):
+            if a.origin not in taken:
+                owner[j] = a.origin
+                taken.add(a.origin)
+        spare = [i for i in range(len(adv)) if i not in taken]
+        owner = [o if o is not None else spare.pop() for o in owner]
+        mem, old = g.members, [list(m.tokens) for m in g.members]
+        for j, a in enumerate(adv):  # forks first: they read the origins' KV before it is compacted
+            if owner[j] != a.origin:
+                src, dst = mem[a.origin], mem[owner[j]]
+                n = starts[rows[a.origin]]
+                self.cache.fork(src.slot, dst.slot, n, [0] + a.nodes)
+                if self.hidden_buf is not None:
+                    self.hidden_buf[dst.slot, :n] = self.hidden_buf[src.slot, :n]
+                dst.hid_len = n
+        for j, a in enumerate(adv):
+            if owner[j] == a.origin:
+                m, n = mem[a.origin], starts[rows[a.origin]]
+                self.cache.compact(m.slot, n, [0] + a.nodes)
+                self.cache.truncate(m.slot, n + 1 + len(a.nodes))
+        for j, a in enumerate(adv):
+            m, b = mem[owner[j]], rows[owner[j]]
+            if self.hidden_buf is not None:
+                self._keep_hidden(m, hidden[rows[a.origin], [0] + a.nodes])
+            new = old[a.origin] + a.tokens
+            chain = drafts[b] if b not in parents else []  # the drafter's view of m: old + its chain
+            m.draft_keep = min(m.draft_keep + len(chain), _common_prefix(old[owner[j]] + chain, new))
+            m.hid_sent = min(m.hid_sent, _common_prefix(old[owner[j]], new))
+            m.tokens = new
+        g.members = [mem[o] for o in owner]
+        steps = len(adv[0].tokens)
+        depth = max((max(_depths(parents[b])) if b in parents else len(drafts[b]) for b in rows), default=0)
+        g.leader.stats.record(sum(len(drafts[b]) for b in rows), steps - 1, depth)
+        if g.search.done:
+            self._beam_finish(g, outputs)
+
+    def _beam_finish(self, g: BeamGroup, outputs: dict[int, Delta]) -> None:
+        """The search is over: the request's one delta is the best finished hypothesis."""
+        lead, best = g.leader, g.search.result()
+        lead.tokens = list(lead.req.prompt_ids) + best.tokens  # (`output` is what the request returns)
+        reason = "stop" if best.tokens and best.tokens[-1] in g.search.eos else "length"
+        text = ""
+        if lead.text is not None:
+            lead.text.push(best.tokens)
+            text = lead.text.take(final=True)
+        outputs[lead.key] = Delta(lead.req.request_id, list(best.tokens), text, finish_reason=reason,
+                                  prompt_tokens=lead.num_prompt, completion_tokens=len(best.tokens),
+                                  stats=lead.stats)
+        self._finish(lead, reason)
+
     # ---- committing ---------------------------------------------------------------------------
     def _commit(self, s: Sequence, new: list[int], outputs: dict[int, Delta]) -> None:
         p = s.req.sampling
@@ -612,11 +736,12 @@ class SpecEngine:
     def _finish(self, s: Sequence, reason: str) -> None:
         s.finish_reason = reason
         self.active.pop(s.key, None)
-        self.cache.free(s.slot)
-        self.free_slots.append(s.slot)
+        for m in s.beam.members if s.beam is not None else [s]:  # a beam request frees every member
+            self.cache.free(m.slot)
+            self.free_slots.append(m.slot)
+            if m.draft is not None:
+                self.drafters[m.draft].release(m.key)
         self.free_slots.sort()
-        if s.draft is not None:
-            self.drafters[s.draft].release(s.key)
         if s.req.draft == AUTO_DRAFT:
             self.selector.release(s.key)
         self.stats.add(s.stats, times=False)  # engine times are wall time, counted per step
@@ -628,6 +753,15 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
     for i, p in enumerate(parents, start=1):
         kids.setdefault(p, []).append(i)
     return kids
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _depths(parents: list[int]) -> list[int]:

@@ -79,6 +79,7 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.lengths = [0] * slots  # python ints: read on every step, never a device sync
         self.max_len = max_len
+        self.forked_positions = 0  # positions copied by `fork` so far (all layers, K and V)
 
     @property
     def slots(self) -> int:
@@ -99,6 +100,18 @@ class KVCache:
         idx = torch.tensor(src, device=self.k.device) + start
         self.k[:, slot, dst] = self.k[:, slot, idx]
         self.v[:, slot, dst] = self.v[:, slot, idx]
+
+    def fork(self, src: int, dst: int, prefix: int, tail: list[int]) -> None:
+        """Copy-on-fork (a beam that splits): slot dst becomes src's first `prefix` positions
+        followed by src's positions prefix + tail[i], for every layer."""
+        self.k[:, dst, :prefix] = self.k[:, src, :prefix]
+        self.v[:, dst, :prefix] = self.v[:, src, :prefix]
+        if tail:
+            idx = torch.tensor(tail, device=self.k.device) + prefix
+            self.k[:, dst, prefix:prefix + len(tail)] = self.k[:, src, idx]
+            self.v[:, dst, prefix:prefix + len(tail)] = self.v[:, src, idx]
+        self.lengths[dst] = prefix + len(tail)
+        self.forked_positions += prefix + len(tail)
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -131,6 +131,16 @@ def tiny_config(seed: int = 0, vocab_size: int = 512, num_layers: int = 4, hidde
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+def model_vocab_size(spec: str) -> int:
+    """The vocabulary of a model spec, from its config alone (no weights): what token ids a
+    request may hold."""
+    from transformers import AutoConfig
+
+    if spec.startswith("tiny"):
+        return tiny_config().vocab_size
+    return AutoConfig.from_pretrained(ensure_embedded(verbose=False) if spec == EMBEDDED else spec).vocab_size
+
+
 def build_tiny(seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
     """A tiny random llama. Weights are scaled up so its greedy choices are not near-ties."""
     from transformers import LlamaForCausalLM

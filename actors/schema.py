@@ -33,6 +33,9 @@ NO_DRAFT = "none"  # reserved draft name: speculation off
 AUTO_DRAFT = "auto"  # reserved draft name: the engine picks among its drafts per request (and may switch)
 RESERVED_DRAFTS = (NO_DRAFT, AUTO_DRAFT)
 MAX_TOPK_ACCEPT = 1000
+MAX_BEAMS = 16
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+MIN_TOP_P = 1e-6
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -46,6 +49,11 @@ class SamplingParams:
     seed: int | None = None  # reproducible sampling; None = random
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Beam search (Hugging Face's semantics): B beams, the finished hypotheses' scores divided by
+    # generated_length ** length_penalty, early_stopping: stop once B hypotheses finished.
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +129,7 @@ class Limits:
     default_draft: str = NO_DRAFT
     default_max_tokens: int = 128
     default_threshold: float = 0.0  # τ when a request leaves it unset (0: never stop early)
+    max_beams: int = MAX_BEAMS  # a beam request holds one KV slot per beam: at most the batch
 
     def __post_init__(self):
         for r in RESERVED_DRAFTS:
@@ -158,10 +167,12 @@ def validate(req: Request, limits: Limits) -> Request:
     if len(ids) + max_tokens > limits.context:
         raise ValueError(f"prompt is {len(ids)} tokens; prompt + sampling.max_tokens ({max_tokens}) must fit "
                          f"the context of {limits.context} tokens")
-    if not _is_num(s.temperature) or s.temperature < 0:
-        raise ValueError(f"sampling.temperature must be >= 0 (and finite), got {s.temperature}")
-    if not _is_num(s.top_p) or not 0 < s.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    # (Bounds that survive float32: a temperature of 1e-300 is 0 on the device, 1e-40 a subnormal.)
+    if not _is_num(s.temperature) or not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                         f"got {s.temperature}")
+    if not _is_num(s.top_p) or not MIN_TOP_P <= s.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in [{MIN_TOP_P}, 1], got {s.top_p}")
     if not _is_int(s.top_k) or s.top_k < 0:
         raise ValueError(f"sampling.top_k must be >= 0, got {s.top_k}")
     if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
@@ -171,6 +182,18 @@ def validate(req: Request, limits: Limits) -> Request:
         raise ValueError(f"sampling.stop holds at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     if any(not isinstance(x, str) or not x for x in stop):
         raise ValueError("sampling.stop strings must be non-empty strings")
+    beams = min(MAX_BEAMS, limits.max_beams)
+    if not _is_int(s.num_beams) or not 1 <= s.num_beams <= beams:
+        raise ValueError(f"sampling.num_beams must be in [1, {beams}], got {s.num_beams!r}")
+    if s.num_beams > 1:
+        if s.temperature != 0:
+            raise ValueError("sampling.num_beams > 1 is beam search: sampling.temperature must be 0")
+        if stop:
+            raise ValueError("sampling.stop is not supported with sampling.num_beams > 1")
+    if not _is_num(s.length_penalty) or abs(s.length_penalty) > 10:
+        raise ValueError(f"sampling.length_penalty must be a number in [-10, 10], got {s.length_penalty!r}")
+    if not isinstance(s.early_stopping, bool):
+        raise ValueError(f"sampling.early_stopping must be true or false, got {s.early_stopping!r}")
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft
     if draft not in RESERVED_DRAFTS and draft not in limits.drafts:

@@ -18,7 +18,8 @@ import torch
 from .schema import Request, SpecStats
 from .text import TextStream
 
-if TYPE_CHECKING:  # (a type only: drafting imports this module)
+if TYPE_CHECKING:  # (types only: drafting imports this module)
+    from .beam import BeamGroup
     from .drafting import Flight
 
 
@@ -44,6 +45,7 @@ class Sequence:
     shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
     mb: int | None = None  # pipelined: which micro-batch (0 or 1) verifies it
     flight: "Flight | None" = None  # pipelined: draft calls sent for it, not yet verified
+    beam: "BeamGroup | None" = None  # beam search: the request's group (every member points to it)
 
     @property
     def output(self) -> list[int]:

@@ -174,7 +174,7 @@ class ClusterConfig(_Strict):
         return Limits(context=self.max_len, max_tokens=self.router.max_tokens,
                       drafts={d.name: d.default_gamma for d in self.drafts},
                       default_draft=self.router.default_draft, default_max_tokens=self.router.default_max_tokens,
-                      default_threshold=self.router.default_threshold)
+                      default_threshold=self.router.default_threshold, max_beams=self.verifier.max_batch)
 
     def draft(self, name: str) -> DraftConfig:
         for d in self.drafts:

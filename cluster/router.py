@@ -23,13 +23,13 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 
 from actors.build import draft_kind
 from actors.calibrate import hardware_line
-from actors.schema import MAX_GAMMA, Delta, Request, SpecStats, validate
+from actors.schema import MAX_GAMMA, NO_DRAFT, Delta, Request, SpecStats, validate
 from actors.text import encode_prompt
 from protos import specd_pb2
 
@@ -65,10 +65,10 @@ class Router:
     def __init__(self, config: dict, verifier, drafts: dict | None = None):
         from transformers import AutoTokenizer
 
-        from actors.models import EMBEDDED, embedded_dir, ensure_embedded
+        from actors.models import EMBEDDED, embedded_dir, ensure_embedded, model_vocab_size
 
         self.cfg = ClusterConfig.model_validate(config)
-        self.limits = self.cfg.limits()
+        self.limits = replace(self.cfg.limits(), vocab_size=model_vocab_size(self.cfg.model))
         self.verifier = verifier
         self.draft_handles = drafts or {}
         if self.cfg.model == EMBEDDED:
@@ -190,8 +190,15 @@ class Router:
             code = e.code
         elif isinstance(e, TimeoutError):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
-        else:
-            code = grpc.StatusCode.INTERNAL
+        else:  # a server-side failure: the client gets a short reason and an incident id, the log the traceback
+            incident = uuid.uuid4().hex[:12]
+            log.error("incident %s: request failed", incident, exc_info=e)
+            cause = getattr(e, "cause", None) or e  # a RayTaskError wraps the remote exception
+            first = next((ln for ln in str(cause).splitlines() if ln.strip()), "")
+            grpc_context.set_code(grpc.StatusCode.INTERNAL)
+            grpc_context.set_details(f"internal error ({type(cause).__name__}: {first[:200]}); "
+                                     f"incident {incident} in the router's log")
+            return
         grpc_context.set_code(code)
         grpc_context.set_details(str(e))
 
@@ -247,7 +254,8 @@ class Router:
     async def ListModels(self, request, grpc_context=None) -> specd_pb2.ListModelsResponse:
         cfg = self.cfg
         r = specd_pb2.ListModelsResponse(target=cfg.model, max_gamma=MAX_GAMMA, max_tokens=cfg.router.max_tokens,
-                                         context_length=cfg.max_len)
+                                         context_length=cfg.max_len, max_beams=self.limits.max_beams)
+        r.drafts.add(name=NO_DRAFT, kind=NO_DRAFT, default=cfg.router.default_draft == NO_DRAFT)
         for d in cfg.drafts:
             auto = d.default_gamma == "auto"
             r.drafts.add(name=d.name, kind=draft_kind(d.spec), default=d.name == cfg.router.default_draft,

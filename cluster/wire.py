@@ -20,7 +20,10 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         temperature=s.temperature if s.HasField("temperature") else 0.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop))
+        top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+        num_beams=s.num_beams if s.HasField("num_beams") else 1,
+        length_penalty=s.length_penalty if s.HasField("length_penalty") else 1.0,
+        early_stopping=s.early_stopping if s.HasField("early_stopping") else False)
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:

@@ -24,45 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/specd.proto\x12\x08specd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\xb9\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xd6\x01\n\x11SpeculationParams\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x12\n\x05gamma\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\ngamma_auto\x18\x03 \x01(\x08\x12\x11\n\x04tree\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\tthreshold\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0c\x65ntropy_gate\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\nacceptance\x18\x07 \x01(\tB\x08\n\x06_gammaB\x07\n\x05_treeB\x0c\n\n_thresholdB\x0f\n\r_entropy_gate\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\x08messages\x18\x03 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1b.specd.v1.SpeculationParamsB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x01\n\tSpecStats\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x06 \x03(\x01\x12\x15\n\rtarget_passes\x18\x07 \x01(\x04\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\x12\'\n\nspec_stats\x18\x06 \x01(\x0b\x32\x13.specd.v1.SpecStats\x12\x11\n\tcoalesced\x18\x07 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd9\x01\n\x0cReplicaStats\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x03 \x01(\r\x12\x17\n\x0fkv_slots_in_use\x18\x04 \x01(\r\x12\x16\n\x0ekv_slots_total\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x07 \x01(\t\x12\x10\n\x08hardware\x18\x08 \x01(\t\x12%\n\x06policy\x18\t \x03(\x0b\x32\x15.specd.v1.DraftPolicy\"\x82\x01\n\x0b\x44raftPolicy\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\r\n\x05gamma\x18\x02 \x01(\r\x12\x18\n\x10speculated_share\x18\x03 \x01(\x01\x12\x12\n\nacceptance\x18\x04 \x03(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x18\n\x10speculated_steps\x18\x06 \x01(\x04\"\x8b\x02\n\rStatsResponse\x12\x16\n\x0erequests_total\x18\x01 \x01(\x04\x12\x17\n\x0frequests_active\x18\x02 \x01(\r\x12\x17\n\x0frequests_queued\x18\x03 \x01(\r\x12\x17\n\x0f\x63oalesced_total\x18\x04 \x01(\x04\x12\x16\n\x0erejected_total\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_total\x18\x06 \x01(\x04\x12\'\n\nspec_stats\x18\x07 \x01(\x0b\x32\x13.specd.v1.SpecStats\x12(\n\x08replicas\x18\x08 \x03(\x0b\x32\x16.specd.v1.ReplicaStats\x12\x16\n\x0euptime_seconds\x18\t \x01(\x01\"\x13\n\x11ListModelsRequest\"~\n\tDraftInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x03 \x01(\x08\x12\x15\n\rdefault_gamma\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_gamma_auto\x18\x05 \x01(\x08\x12\x11\n\tplacement\x18\x06 \x01(\t\"\x88\x01\n\x12ListModelsResponse\x12\x0e\n\x06target\x18\x01 \x01(\t\x12#\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x13.specd.v1.DraftInfo\x12\x11\n\tmax_gamma\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa0\x02\n\nSpecDecode\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12I\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x16.specd.v1.StatsRequest\x1a\x17.specd.v1.StatsResponse\x12G\n\nListModels\x12\x1b.specd.v1.ListModelsRequest\x1a\x1c.specd.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/specd.proto\x12\x08specd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\xbf\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\tnum_beams\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\t \x01(\x08H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0c\n\n_num_beamsB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stopping\"\xd6\x01\n\x11SpeculationParams\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x12\n\x05gamma\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\ngamma_auto\x18\x03 \x01(\x08\x12\x11\n\x04tree\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\tthreshold\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0c\x65ntropy_gate\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\nacceptance\x18\x07 \x01(\tB\x08\n\x06_gammaB\x07\n\x05_treeB\x0c\n\n_thresholdB\x0f\n\r_entropy_gate\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\x08messages\x18\x03 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1b.specd.v1.SpeculationParamsB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x01\n\tSpecStats\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x06 \x03(\x01\x12\x15\n\rtarget_passes\x18\x07 \x01(\x04\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\x12\'\n\nspec_stats\x18\x06 \x01(\x0b\x32\x13.specd.v1.SpecStats\x12\x11\n\tcoalesced\x18\x07 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd9\x01\n\x0cReplicaStats\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x03 \x01(\r\x12\x17\n\x0fkv_slots_in_use\x18\x04 \x01(\r\x12\x16\n\x0ekv_slots_total\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x07 \x01(\t\x12\x10\n\x08hardware\x18\x08 \x01(\t\x12%\n\x06policy\x18\t \x03(\x0b\x32\x15.specd.v1.DraftPolicy\"\x82\x01\n\x0b\x44raftPolicy\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\r\n\x05gamma\x18\x02 \x01(\r\x12\x18\n\x10speculated_share\x18\x03 \x01(\x01\x12\x12\n\nacceptance\x18\x04 \x03(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x18\n\x10speculated_steps\x18\x06 \x01(\x04\"\x8b\x02\n\rStatsResponse\x12\x16\n\x0erequests_total\x18\x01 \x01(\x04\x12\x17\n\x0frequests_active\x18\x02 \x01(\r\x12\x17\n\x0frequests_queued\x18\x03 \x01(\r\x12\x17\n\x0f\x63oalesced_total\x18\x04 \x01(\x04\x12\x16\n\x0erejected_total\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_total\x18\x06 \x01(\x04\x12\'\n\nspec_stats\x18\x07 \x01(\x0b\x32\x13.specd.v1.SpecStats\x12(\n\x08replicas\x18\x08 \x03(\x0b\x32\x16.specd.v1.ReplicaStats\x12\x16\n\x0euptime_seconds\x18\t \x01(\x01\"\x13\n\x11ListModelsRequest\"~\n\tDraftInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x03 \x01(\x08\x12\x15\n\rdefault_gamma\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_gamma_auto\x18\x05 \x01(\x08\x12\x11\n\tplacement\x18\x06 \x01(\t\"\x9b\x01\n\x12ListModelsResponse\x12\x0e\n\x06target\x18\x01 \x01(\t\x12#\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x13.specd.v1.DraftInfo\x12\x11\n\tmax_gamma\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12\x11\n\tmax_beams\x18\x06 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa0\x02\n\nSpecDecode\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12I\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x16.specd.v1.StatsRequest\x1a\x17.specd.v1.StatsResponse\x12G\n\nListModels\x12\x1b.specd.v1.ListModelsRequest\x1a\x1c.specd.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.specd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2179
-  _globals['_FINISHREASON']._serialized_end=2299
+  _globals['_FINISHREASON']._serialized_start=2332
+  _globals['_FINISHREASON']._serialized_end=2452
   _globals['_CHATMESSAGE']._serialized_start=32
   _globals['_CHATMESSAGE']._serialized_end=76
   _globals['_CHATMESSAGES']._serialized_start=78
   _globals['_CHATMESSAGES']._serialized_end=133
   _globals['_SAMPLINGPARAMS']._serialized_start=136
-  _globals['_SAMPLINGPARAMS']._serialized_end=321
-  _globals['_SPECULATIONPARAMS']._serialized_start=324
-  _globals['_SPECULATIONPARAMS']._serialized_end=538
-  _globals['_GENERATEREQUEST']._serialized_start=541
-  _globals['_GENERATEREQUEST']._serialized_end=743
-  _globals['_USAGE']._serialized_start=745
-  _globals['_USAGE']._serialized_end=802
-  _globals['_SPECSTATS']._serialized_start=805
-  _globals['_SPECSTATS']._serialized_end=1037
-  _globals['_GENERATERESPONSE']._serialized_start=1040
-  _globals['_GENERATERESPONSE']._serialized_end=1250
-  _globals['_STATSREQUEST']._serialized_start=1252
-  _globals['_STATSREQUEST']._serialized_end=1266
-  _globals['_REPLICASTATS']._serialized_start=1269
-  _globals['_REPLICASTATS']._serialized_end=1486
-  _globals['_DRAFTPOLICY']._serialized_start=1489
-  _globals['_DRAFTPOLICY']._serialized_end=1619
-  _globals['_STATSRESPONSE']._serialized_start=1622
-  _globals['_STATSRESPONSE']._serialized_end=1889
-  _globals['_LISTMODELSREQUEST']._serialized_start=1891
-  _globals['_LISTMODELSREQUEST']._serialized_end=1910
-  _globals['_DRAFTINFO']._serialized_start=1912
-  _globals['_DRAFTINFO']._serialized_end=2038
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2041
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2177
-  _globals['_SPECDECODE']._serialized_start=2302
-  _globals['_SPECDECODE']._serialized_end=2590
+  _globals['_SAMPLINGPARAMS']._serialized_end=455
+  _globals['_SPECULATIONPARAMS']._serialized_start=458
+  _globals['_SPECULATIONPARAMS']._serialized_end=672
+  _globals['_GENERATEREQUEST']._serialized_start=675
+  _globals['_GENERATEREQUEST']._serialized_end=877
+  _globals['_USAGE']._serialized_start=879
+  _globals['_USAGE']._serialized_end=936
+  _globals['_SPECSTATS']._serialized_start=939
+  _globals['_SPECSTATS']._serialized_end=1171
+  _globals['_GENERATERESPONSE']._serialized_start=1174
+  _globals['_GENERATERESPONSE']._serialized_end=1384
+  _globals['_STATSREQUEST']._serialized_start=1386
+  _globals['_STATSREQUEST']._serialized_end=1400
+  _globals['_REPLICASTATS']._serialized_start=1403
+  _globals['_REPLICASTATS']._serialized_end=1620
+  _globals['_DRAFTPOLICY']._serialized_start=1623
+  _globals['_DRAFTPOLICY']._serialized_end=1753
+  _globals['_STATSRESPONSE']._serialized_start=1756
+  _globals['_STATSRESPONSE']._serialized_end=2023
+  _globals['_LISTMODELSREQUEST']._serialized_start=2025
+  _globals['_LISTMODELSREQUEST']._serialized_end=2044
+  _globals['_DRAFTINFO']._serialized_start=2046
+  _globals['_DRAFTINFO']._serialized_end=2172
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2175
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2330
+  _globals['_SPECDECODE']._serialized_start=2455
+  _globals['_SPECDECODE']._serialized_end=2743
 # @@protoc_insertion_point(module_scope)

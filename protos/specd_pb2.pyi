@@ -33,20 +33,26 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_beams", "length_penalty", "early_stopping")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
     top_k: int
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
     __slots__ = ("draft", "gamma", "gamma_auto", "tree", "threshold", "entropy_gate", "acceptance")
@@ -213,15 +219,17 @@ class DraftInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., default: _Optional[bool] = ..., default_gamma: _Optional[int] = ..., default_gamma_auto: _Optional[bool] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("target", "drafts", "max_gamma", "max_tokens", "context_length")
+    __slots__ = ("target", "drafts", "max_gamma", "max_tokens", "context_length", "max_beams")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BEAMS_FIELD_NUMBER: _ClassVar[int]
     target: str
     drafts: _containers.RepeatedCompositeFieldContainer[DraftInfo]
     max_gamma: int
     max_tokens: int
     context_length: int
-    def __init__(self, target: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_gamma: _Optional[int] = ..., max_tokens: _Optional[int] = ..., context_length: _Optional[int] = ...) -> None: ...
+    max_beams: int
+    def __init__(self, target: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_gamma: _Optional[int] = ..., max_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., max_beams: _Optional[int] = ...) -> None: ...

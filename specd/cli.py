@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--num-beams", type=int, default=1,
+                   help="beam search with N beams (temperature 0): the output equals the target's own beam search")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
+    g.add_argument("--early-stopping", action="store_true", help="beam search: stop once N hypotheses finished")
     g.add_argument("--draft", default="ngram", help="none | ngram[:N] | truncated:K | default | PATH")
     g.add_argument("--gamma", type=gamma_arg, default="auto",
                    help="draft tokens per step, or auto: the speculation policy chooses per step, and switches "
@@ -113,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     b.add_argument("--no-adaptive", action="store_true", help="skip the γ=auto configurations")
+    b.add_argument("--beams", default=None,
+                   help="--local: only benchmark beam search at these widths (e.g. 2,4): HF beam search, this "
+                        "engine's with speculation off, and with each --draft (default ngram, default); "
+                        "fp32 unless --dtype; writes out/bench_beams.json")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -205,7 +213,8 @@ def _generate_remote(args) -> int:
     with SpecdClient(args.address) as client:
         kw = dict(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  stop=args.stop or None, draft=args.draft, gamma=0 if args.draft == "none" else args.gamma,
+                  stop=args.stop or None, num_beams=args.num_beams, length_penalty=args.length_penalty,
+                  early_stopping=args.early_stopping, draft=args.draft, gamma=0 if args.draft == "none" else args.gamma,
                   tree=args.tree, threshold=args.threshold, entropy_gate=args.entropy_gate,
                   acceptance=args.acceptance)
         try:
@@ -232,12 +241,13 @@ def _generate(args) -> int:
     from actors.text import encode_prompt
 
     messages = json.loads(args.messages_json) if args.messages_json else None
-    built = build_engine(args.model, [args.draft], args.dtype, max_batch=1, max_len=args.max_len,
+    built = build_engine(args.model, [args.draft], args.dtype, max_batch=args.num_beams, max_len=args.max_len,
                          device=args.device, compile=args.compile)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop)),
+                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), num_beams=args.num_beams,
+                                 length_penalty=args.length_penalty, early_stopping=args.early_stopping),
                   SpeculationParams(draft=args.draft, gamma=args.gamma if args.draft != "none" else 0, tree=args.tree,
                                     threshold=args.threshold, entropy_gate=args.entropy_gate,
                                     acceptance=args.acceptance))
@@ -284,6 +294,22 @@ def _bench(args) -> int:
 
     from .bench import local as bench
 
+    if args.beams:
+        from .bench import beams as bench_beams
+
+        rep = bench_beams.run_beams(args.model, tuple(int(x) for x in args.beams.split(",")),
+                                    tuple(args.draft or ["ngram", "default"]), args.gamma,
+                                    tuple(int(x) for x in args.tree_budgets.split(",") if x),
+                                    "fp32" if args.dtype == "auto" else args.dtype, args.max_tokens,
+                                    args.prompts, args.limit or 8, args.device)
+        text = bench_beams.render(rep)
+        print(text)
+        out = Path(args.json_path).with_name("bench_beams.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rep, indent=2))
+        out.with_suffix(".txt").write_text(text)
+        print(f"wrote {out}")
+        return 0
     if args.head_of_line:
         rep = bench.head_of_line(args.model, args.dtype)
         print(json.dumps(rep, indent=2))

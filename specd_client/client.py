@@ -139,7 +139,7 @@ class Stats:
 @dataclass
 class DraftInfo:
     name: str
-    kind: str  # "ngram" | "truncated" | "eagle" | "model"
+    kind: str  # "none" | "ngram" | "truncated" | "eagle" | "model"
     default: bool
     default_gamma: int | str  # an integer, or "auto" (the server's speculation policy chooses per step)
     placement: str = ""  # "colocated" | "remote"
@@ -152,6 +152,7 @@ class ModelsInfo:
     max_gamma: int
     max_tokens: int
     context_length: int
+    max_beams: int = 1
 
     @property
     def default_draft(self) -> str | None:
@@ -207,7 +208,8 @@ def _models(r: specd_pb2.ListModelsResponse) -> ModelsInfo:
     return ModelsInfo(target=r.target,
                       drafts=[DraftInfo(d.name, d.kind, d.default, "auto" if d.default_gamma_auto else d.default_gamma,
                                         d.placement) for d in r.drafts],
-                      max_gamma=r.max_gamma, max_tokens=r.max_tokens, context_length=r.context_length)
+                      max_gamma=r.max_gamma, max_tokens=r.max_tokens, context_length=r.context_length,
+                      max_beams=r.max_beams)
 
 
 def _chat_message(m: Any) -> specd_pb2.ChatMessage:
@@ -224,9 +226,11 @@ def _chat_message(m: Any) -> specd_pb2.ChatMessage:
 def build_request(prompt: str | None = None, messages: Iterable[Any] | None = None, *,
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                  stop: str | Sequence[str] | None = None, draft: str | None = None,
-                  gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
-                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
+                  stop: str | Sequence[str] | None = None, num_beams: int | None = None,
+                  length_penalty: float | None = None, early_stopping: bool | None = None,
+                  draft: str | None = None, gamma: int | str | None = None, tree: int | None = None,
+                  threshold: float | None = None, entropy_gate: float | None = None,
+                  acceptance: str | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
     """The GenerateRequest for these arguments. None = unset = the server's default.
 
     Exactly one of `prompt` (raw text) and `messages` (chat turns: mappings with
@@ -258,6 +262,12 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         s.seed = seed
     if stop is not None:
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    if num_beams is not None:
+        s.num_beams = num_beams
+    if length_penalty is not None:
+        s.length_penalty = length_penalty
+    if early_stopping is not None:
+        s.early_stopping = early_stopping
     req.speculation.draft = draft or ""
     if gamma == "auto":
         req.speculation.gamma_auto = True
@@ -396,34 +406,21 @@ class SpecdClient(_Base):
                 attempt += 1
 
     def generate(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
-                 max_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, draft: str | None = None,
-                 gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
-                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
-                 timeout: float | None = _DEFAULT) -> Result:
-        """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
-        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
-                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
+                 timeout: float | None = _DEFAULT, **params: Any) -> Result:
+        """Generate a whole completion (unary Generate). `params`: the keyword arguments of
+        `build_request` (sampling, beam search, speculation); unset = the server's defaults."""
+        req = build_request(prompt, messages, **params)
         return _result(self._unary(self._stub.Generate, req, timeout, "Generate"))
 
     def stream(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
-               max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, draft: str | None = None,
-               gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
-                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
-               timeout: float | None = _DEFAULT) -> Iterator[Chunk]:
+               timeout: float | None = _DEFAULT, **params: Any) -> Iterator[Chunk]:
         """Stream a completion as Chunk deltas (GenerateStream).
 
         The request is validated (prompt xor messages) immediately; the RPC starts
         on the first next(). Closing the iterator early (break / .close()) cancels
         the RPC, which aborts the generation server-side.
         """
-        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
-                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
+        req = build_request(prompt, messages, **params)
         return self._stream(req, timeout)
 
     def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> Iterator[Chunk]:
@@ -524,34 +521,21 @@ class AsyncSpecdClient(_Base):
                 attempt += 1
 
     async def generate(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
-                       max_tokens: int | None = None, temperature: float | None = None,
-                       top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                       stop: str | Sequence[str] | None = None, draft: str | None = None,
-                       gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
-                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
-                       timeout: float | None = _DEFAULT) -> Result:
-        """Generate a whole completion (unary Generate). Unset arguments = server defaults."""
-        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
-                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
+                       timeout: float | None = _DEFAULT, **params: Any) -> Result:
+        """Generate a whole completion (unary Generate). `params`: the keyword arguments of
+        `build_request` (sampling, beam search, speculation); unset = the server's defaults."""
+        req = build_request(prompt, messages, **params)
         return _result(await self._unary(lambda: self._stub.Generate, req, timeout, "Generate"))
 
     def stream(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
-               max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, draft: str | None = None,
-               gamma: int | str | None = None, tree: int | None = None, threshold: float | None = None,
-                  entropy_gate: float | None = None, acceptance: str | None = None, request_id: str | None = None,
-               timeout: float | None = _DEFAULT) -> AsyncIterator[Chunk]:
+               timeout: float | None = _DEFAULT, **params: Any) -> AsyncIterator[Chunk]:
         """Stream a completion as Chunk deltas: `async for chunk in client.stream(...)`.
 
         prompt xor messages is checked immediately; the RPC starts on the first
         iteration. Closing the iterator early (`await it.aclose()`, or
         contextlib.aclosing) cancels the RPC, aborting the generation server-side.
         """
-        req = build_request(prompt, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, stop=stop, draft=draft, gamma=gamma, tree=tree, threshold=threshold,
-                            entropy_gate=entropy_gate, acceptance=acceptance, request_id=request_id)
+        req = build_request(prompt, messages, **params)
         return self._stream(req, timeout)
 
     async def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> AsyncIterator[Chunk]:

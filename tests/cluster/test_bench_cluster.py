@@ -70,6 +70,11 @@ def test_bench_address_report(cluster, tmp_path):
     assert set(ra["vs_hf_serial"]) == {"c1-spec", "c1-off", "c2-spec", "c2-off"}
     assert all(v > 0 for v in ra["vs_hf_serial"].values())
     assert set(ra["spec_vs_off"]) == {"cluster-c1", "cluster-c2", "in-process-c1"}
-    assert "c2_ge_5x_serial_hf" in rep["goals"] and "c1_cluster_loses_le_10pct" in rep["goals"]
+    goals = rep["goals"]
+    assert {"cluster-c1_spec_ge_0.98x_off", "cluster-c2_spec_ge_0.98x_off", "c1_off_cluster_ge_0.95x_inprocess",
+            "c2_ge_0.7x_runner_ceiling", "c2_vs_serial_hf"} <= set(goals)
+    assert goals["c2_vs_serial_hf"]["ratio"] == pytest.approx(
+        max(r["tokens_per_s"] for r in rep["results"] if r["side"] == "cluster" and r["concurrency"] == 2)
+        / next(r["tokens_per_s"] for r in rep["results"] if r["side"] == "hf"))
     # the same engine code on both sides, fp32, batch 1: identical greedy tokens
     assert rep["greedy_agreement_cluster_vs_inprocess_c1"] == {"spec": 1.0, "off": 1.0}

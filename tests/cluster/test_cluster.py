@@ -78,14 +78,16 @@ BAD = [
     (dict(prompt="word " * (MAX_LEN + 10)), "context of 256 tokens"),
     (dict(prompt="hi", max_tokens=0), "sampling.max_tokens must be in [1, 128]"),
     (dict(prompt="hi", max_tokens=129), "sampling.max_tokens must be in [1, 128]"),
-    (dict(prompt="hi", temperature=-0.5), "sampling.temperature must be >= 0"),
-    (dict(prompt="hi", top_p=0.0), "sampling.top_p must be in (0, 1]"),
-    (dict(prompt="hi", top_p=1.5), "sampling.top_p must be in (0, 1]"),
+    (dict(prompt="hi", temperature=-0.5), "sampling.temperature must be 0 (greedy) or in [0.001, 1000.0]"),
+    (dict(prompt="hi", top_p=0.0), "sampling.top_p must be in [1e-06, 1]"),
+    (dict(prompt="hi", top_p=1.5), "sampling.top_p must be in [1e-06, 1]"),
     (dict(prompt="hi", draft="nope"), "speculation.draft 'nope' is unknown"),
     (dict(prompt="hi", draft="ngram", gamma=17), "speculation.gamma must be in [0, 16]"),
     (dict(prompt="hi", draft="ngram", gamma=-1), "speculation.gamma must be in [0, 16]"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role must be one of"),
     (dict(messages=[]), "messages must not be empty"),
+    (dict(prompt="hi", num_beams=5), "sampling.num_beams must be in [1, 4]"),  # the verifier's max_batch
+    (dict(prompt="hi", num_beams=2, temperature=0.7), "beam search: sampling.temperature must be 0"),
 ]
 
 
@@ -97,6 +99,23 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(cluster, kw, msg
     with pytest.raises(InvalidArgument):
         list(cluster.stream(**kw))
     assert cluster.generate(prompt="The sky is", max_tokens=3).finish_reason == "length"
+
+
+def test_beam_search_over_grpc_equals_hf_beam_search(cluster, smollm2):
+    """A beam request (B=2, n-gram drafts) through the SDK returns HF's best hypothesis, while an
+    ordinary request shares the verifier's batch; its KV (all B beams' slots) is freed after."""
+    ids = chat_ids(smollm2.tokenizer, QUESTION[0]["content"])
+    with torch.inference_mode():
+        out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=12, num_beams=2, do_sample=False,
+                                     eos_token_id=sorted(smollm2.eos_token_ids), pad_token_id=0)
+    ref = out[0, len(ids):].tolist()
+    with cf.ThreadPoolExecutor(2) as ex:
+        beam = ex.submit(cluster.generate, messages=QUESTION, max_tokens=12, num_beams=2, draft="ngram", gamma=3)
+        plain = ex.submit(cluster.generate, prompt="The sky is", max_tokens=8)
+        r, p = beam.result(timeout=120), plain.result(timeout=120)
+    assert r.token_ids == ref and r.text == smollm2.tokenizer.decode(ref, skip_special_tokens=True)
+    assert p.finish_reason == "length" and len(p.token_ids) == 8
+    wait_kv_free(cluster)
 
 
 def test_coalescing_identical_requests_share_one_generation(cluster, hf_ref):

@@ -30,6 +30,7 @@ shrunk by hypothesis (SHRINK_SECONDS in all) and reported as a request to paste 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import os
 import re
@@ -44,12 +45,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos import specd_pb2 as pb
+from actors.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 from protos import specd_pb2_grpc
 
 EXAMPLES = int(os.environ.get("SPECD_FUZZ_EXAMPLES", "300"))
 SECONDS = float(os.environ.get("SPECD_FUZZ_SECONDS", "90"))
 LONG_RUN = "SPECD_FUZZ_EXAMPLES" in os.environ  # `make fuzz`: a random seed, not the suite's fixed one
-SHRINK_SECONDS = 45.0  # after the first failure: time for hypothesis to shrink it
+SHRINK_SECONDS = 30.0  # after the first failure: time for hypothesis to shrink what it found
 CALL_TIMEOUT = 30.0  # a call without a tiny deadline that runs into this has hung
 TINY_DEADLINES = (0.001, 0.01, 0.05, 0.2)
 
@@ -91,8 +93,9 @@ class Case:
     def __init__(self, req: pb.GenerateRequest, rpc: str, deadline: float | None):
         self.req, self.rpc, self.deadline = req, rpc, deadline
 
-    def key(self) -> tuple:
-        return self.req.SerializeToString(deterministic=True), self.rpc, self.deadline
+    def key(self) -> bytes:
+        return hashlib.sha256(self.req.SerializeToString(deterministic=True) +
+                              f"|{self.rpc}|{self.deadline}".encode()).digest()
 
     def __repr__(self) -> str:
         return (f"{self.rpc}(text_format.Parse({one_line(self.req)!r}, GenerateRequest()), "
@@ -179,6 +182,13 @@ def sampling(draw) -> pb.SamplingParams:
     if seed >= 3:
         s.seed = draw(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**63, 2**64 - 1])))
     s.stop.extend(draw(STOPS))
+    beams, penalty, early = plan(draw, 3, 4)
+    if beams >= 2:  # beam search (the verifier's max_batch, 4, bounds it)
+        s.num_beams = draw([st.integers(1, 4), st.integers(0, 6)][beams - 2])
+    if penalty >= 2:
+        s.length_penalty = draw([st.floats(-2.0, 2.0), FLOATS][penalty - 2])
+    if early >= 3:
+        s.early_stopping = draw(st.booleans())
     return s
 
 
@@ -235,10 +245,11 @@ class Verdict:
     prompt_ids: list[int] | None = None  # when the prompt is plainly valid token ids
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
+    num_beams: int = 1
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0.0 and self.num_beams == 1
 
 
 def expect(req: pb.GenerateRequest) -> Verdict:
@@ -275,12 +286,20 @@ def expect(req: pb.GenerateRequest) -> Verdict:
     if s.HasField("temperature"):
         t = s.temperature
         v.temperature = t
-        if math.isnan(t) or t < 0:
+        if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # NaN fails both comparisons
             v.must.add("temperature")
-        elif math.isinf(t):
-            v.may.add("temperature")
-    if s.HasField("top_p") and not (0 < s.top_p <= 1):  # NaN fails the comparison too
+    if s.HasField("top_p") and not (MIN_TOP_P <= s.top_p <= 1):
         v.must.add("top_p")
+    if s.HasField("num_beams"):
+        v.num_beams = s.num_beams
+        if not 1 <= s.num_beams <= 4:
+            v.must.add("num_beams")
+        elif s.num_beams > 1 and v.temperature != 0:
+            v.must.update({"num_beams", "temperature"})
+        elif s.num_beams > 1 and s.stop:
+            v.must.update({"num_beams", "stop"})
+    if s.HasField("length_penalty") and not abs(s.length_penalty) <= 10:
+        v.must.add("length_penalty")
     if s.top_k < 0:
         v.must.add("top_k")
     if any(x == "" for x in s.stop):
@@ -384,7 +403,10 @@ class Fuzz:
         self.start = time.monotonic()
         self.end = self.start + SECONDS
         self.first_failure: float | None = None
-        self.failed: dict[tuple, tuple[type, str]] = {}  # case key -> (failure type, message): replayed, not re-sent
+        # Verdicts by case: hypothesis re-runs a case (replaying, shrinking) and must see what it saw
+        # the first time, even where timing decides (a tiny deadline against a fast failure).
+        self.failed: dict[bytes, tuple[type, str]] = {}
+        self.passed: set[bytes] = set()
         self.distinct: dict[str, str] = {}  # kind of failure ("INTERNAL: <last line>") -> its first request
         self.seeded: dict[tuple, list[int]] = {}
         self.statuses: collections.Counter = collections.Counter()
@@ -410,8 +432,10 @@ class Fuzz:
 
     def example(self, case: Case) -> None:
         self.examples += 1
-        if case.key() in self.failed:  # hypothesis replays its final example: answer it as before
+        if case.key() in self.failed:
             _raise(*self.failed[case.key()])
+        if case.key() in self.passed:
+            return
         now = time.monotonic()
         if self.first_failure is None and now > self.end:
             return  # the time budget is spent: the remaining examples are no-ops
@@ -429,6 +453,7 @@ class Fuzz:
             label = (f"{ans.code.name}: {short(ans.details, 160)}" if problem.startswith("status ")
                      else re.split(r"[0-9'\"\[{(]", problem)[0].strip())
             self.fail(case, label, f"{problem}\n  request: {case!r}\n  after {ans.seconds:.3f} s")
+        self.passed.add(case.key())
 
     def drain(self, timeout: float = 5.0) -> None:
         """Wait until a request the client gave up on has left the server (only the background
@@ -489,10 +514,14 @@ class Fuzz:
             ref = self.reference(v.prompt_ids, v.max_tokens)
             if tokens != ref[:len(tokens)] or (not req.sampling.stop and tokens != ref):
                 return f"greedy output {tokens} differs from the target's {ref}"
-        elif req.sampling.HasField("seed"):  # identical seeded requests: identical tokens (prefixes)
+        elif req.sampling.HasField("seed") or v.num_beams > 1:
+            # identical seeded requests: identical tokens (prefixes); identical beam requests: identical
+            # tokens (beam search's result depends on max_tokens and is deterministic whatever the drafts)
             s = req.sampling
-            key = (tuple(v.prompt_ids), s.temperature, s.top_p if s.HasField("top_p") else 1.0, s.top_k, s.seed,
-                   req.speculation.SerializeToString(deterministic=True))
+            key = ((tuple(v.prompt_ids), s.temperature, s.top_p if s.HasField("top_p") else 1.0, s.top_k, s.seed,
+                    req.speculation.SerializeToString(deterministic=True)) if v.num_beams == 1 else
+                   (tuple(v.prompt_ids), v.max_tokens, v.num_beams,
+                    s.length_penalty if s.HasField("length_penalty") else 1.0, s.early_stopping))
             seen = self.seeded.setdefault(key, tokens)
             n = min(len(seen), len(tokens))
             if seen[:n] != tokens[:n]:

@@ -90,8 +90,9 @@ def test_stubs_are_package_qualified_and_service_shape():
     def optional(msg):  # scalar fields with presence outside a real oneof
         return {f.name for f in msg.DESCRIPTOR.fields if f.has_presence and f.message_type is None
                 and (f.containing_oneof is None or f.containing_oneof.name.startswith("_"))}
-    assert optional(specd_pb2.SamplingParams) == {"max_tokens", "temperature", "top_p", "seed"}
-    assert optional(specd_pb2.SpeculationParams) == {"gamma"}
+    assert optional(specd_pb2.SamplingParams) == {"max_tokens", "temperature", "top_p", "seed", "num_beams",
+                                                  "length_penalty", "early_stopping"}
+    assert optional(specd_pb2.SpeculationParams) == {"gamma", "threshold", "entropy_gate", "tree"}
     assert specd_pb2.SamplingParams.DESCRIPTOR.fields_by_name["seed"].type == \
         specd_pb2.SamplingParams.DESCRIPTOR.fields_by_name["seed"].TYPE_UINT64
     assert [v.name for v in specd_pb2.FinishReason.DESCRIPTOR.values] == [
