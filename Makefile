@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ bench: $(STAMP)
 # starts a local cluster, benchmarks it through the SDK against the in-process engine and HF, stops it
 bench-cluster: $(STAMP)
 	$(BIN)/specd bench --serve --json out/bench_cluster.json --plot out/bench_cluster.png
+
+# speculative beam search against HF beam search and this engine's without speculation
+bench-beams: $(STAMP)
+	$(BIN)/specd bench --local --beams 2,4 --max-tokens 32 --json out/bench_beams.json
+
+# the seed's claims measured on the embedded target (specd/lab.py; about 20 minutes here)
+lab: $(STAMP)
+	$(BIN)/specd lab --out out/lab
 
 # The engine on a GPU (specd/gpu_check.py): needs only actors/ and the machine's own Python with
 # PyTorch and transformers (no Ray, no pydantic, no venv). DEVICE=cpu is the dry run.

@@ -674,7 +674,8 @@ class SpecEngine:
         g.members = [mem[o] for o in owner]
         steps = len(adv[0].tokens)
         depth = max((max(_depths(parents[b])) if b in parents else len(drafts[b]) for b in rows), default=0)
-        g.leader.stats.record(sum(len(drafts[b]) for b in rows), steps - 1, depth)
+        # one beam's drafts (the widest): acceptance reads as "beam steps taken from drafts per draft"
+        g.leader.stats.record(max(len(drafts[b]) for b in rows), steps - 1, depth)
         if g.search.done:
             self._beam_finish(g, outputs)
 
@@ -723,6 +724,7 @@ class SpecEngine:
             self._finish(s, reason)
             d.finish_reason = reason
             d.prompt_tokens, d.completion_tokens, d.stats = s.num_prompt, len(s.output), s.stats
+            d.stop_string = (s.text.stop_string or "") if stops else ""
 
     def _resolve_shadow(self, s: Sequence) -> None:
         """Compare a shadow draft with what the target committed after it, once decidable."""

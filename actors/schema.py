@@ -44,7 +44,7 @@ class SamplingParams:
     """Decoding parameters. None = the server's default (resolved by `validate`)."""
     max_tokens: int | None = None  # tokens to generate, in [1, Limits.max_tokens]
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    top_p: float = 1.0  # nucleus mass, in [MIN_TOP_P, 1]
     top_k: int = 0  # 0 = disabled
     seed: int | None = None  # reproducible sampling; None = random
     stop: tuple[str, ...] = ()
@@ -327,6 +327,7 @@ class Delta:
     prompt_tokens: int = 0  # last delta only
     completion_tokens: int = 0  # last delta only
     stats: SpecStats | None = None  # last delta only
+    stop_string: str = ""  # last delta only: the stop string that ended the request ("" otherwise)
 
     @property
     def finished(self) -> bool:
@@ -342,10 +343,11 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     stats: SpecStats
+    stop_string: str = ""
 
     @classmethod
     def join(cls, deltas: list[Delta]) -> "Completion":
         last = deltas[-1]
         assert last.finished, "the last delta must finish the request"
         return cls(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                   last.finish_reason, last.prompt_tokens, last.stats or SpecStats())
+                   last.finish_reason, last.prompt_tokens, last.stats or SpecStats(), last.stop_string)

@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from actors.drafters.base import DraftSeq
 
-from .config import ClusterConfig, DeploymentSpec
+from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
 from .draft_server import DraftServer
 from .router import Router
 from .serve import node_id, replica_id
@@ -70,14 +70,16 @@ def build_app(cfg: ClusterConfig):
         if not d.remote:
             continue
         dep = serve.deployment(DraftDeployment).options(
-            **_options(d, f"Draft-{d.name.replace(':', '-').replace('/', '_')}",
+            **_options(d, draft_deployment_name(d.name),
                        max_ongoing_requests=max(DRAFT_BATCH, d.max_batch),
                        request_router_config=RequestRouterConfig(
                            request_router_class="cluster.routing.PinnedRouter")))
         drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads,
                                   d.lease_s, d.overlap, d.overlap_branches, cfg.device)
     verifier = serve.deployment(VerifierServer).options(
-        **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch)
+        **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
+                   # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls
+                   request_router_config=RequestRouterConfig(request_router_class="cluster.routing.PinnedRouter"))
     ).bind(raw, drafts)
     router = serve.deployment(Router).options(
         **_options(cfg.router, "Router", max_ongoing_requests=cfg.router.max_queue * 2)

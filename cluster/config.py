@@ -134,6 +134,34 @@ class RouterConfig(DeploymentSpec):
                                      "none: drafting stops below it (0: never)")
 
 
+class AuthConfig(_Strict):
+    """Optional bearer-token authentication of every RPC but the health check. The tokens (one
+    per line, or comma-separated; blank lines and lines starting with '#' ignored) come from a
+    file or from an environment variable of the router's process; neither set = no
+    authentication. Any accepted token may call every RPC (no per-tenant scoping)."""
+    tokens_file: str | None = Field(None, description="file holding the accepted tokens")
+    tokens_env: str | None = Field(None, description="environment variable holding the accepted tokens")
+
+    def tokens(self) -> list[str]:
+        """The accepted tokens; ValueError when a named source is missing or holds none."""
+        import os
+
+        if self.tokens_file is None and self.tokens_env is None:
+            return []
+        raw = ""
+        if self.tokens_file is not None:
+            raw += Path(self.tokens_file).read_text() + "\n"
+        if self.tokens_env is not None:
+            if self.tokens_env not in os.environ:
+                raise ValueError(f"auth.tokens_env: environment variable {self.tokens_env!r} is not set")
+            raw += os.environ[self.tokens_env]
+        toks = [t.strip() for line in raw.splitlines() if not line.strip().startswith("#")
+                for t in line.split(",") if t.strip()]
+        if not toks:
+            raise ValueError("auth: the configured token source holds no token")
+        return toks
+
+
 class ClusterConfig(_Strict):
     app_name: str = "specd"
     route_prefix: str = "/specd"
@@ -148,6 +176,7 @@ class ClusterConfig(_Strict):
     grpc_port: int = Field(9000, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     verifier: VerifierConfig = Field(default_factory=lambda: VerifierConfig(
         resources=Resources(custom={"large_accel": 1})))
     drafts: list[DraftConfig] = Field(default_factory=lambda: [DraftConfig(name="ngram", spec="ngram")])
@@ -191,3 +220,8 @@ class ClusterConfig(_Strict):
 
     def dump(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def draft_deployment_name(draft: str) -> str:
+    """The Serve deployment of a remote draft, by the draft's name in the config."""
+    return f"Draft-{draft.replace(':', '-').replace('/', '_')}"

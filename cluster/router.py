@@ -12,13 +12,16 @@ standard grpc.health.v1 service); Serve's gRPC proxy routes to them by the
 - Coalescing: identical in-flight requests (same input, sampling params and
   speculation, and deterministic: greedy or seeded) share one generation; every
   caller gets the full stream from its first token.
-- Verifier choice: Serve's handle routing (power of two choices, least loaded by
-  queue length) picks the verifier replica for each generation.
+- Verifier choice: power of two choices, the less loaded by queue length
+  (`cluster.routing.PinnedRouter`, which also lets GetStats, GetLoad and Abort reach every
+  verifier replica by its id).
+- Access: with `auth` configured, every RPC but the health check needs a bearer token.
 Does not know: models or KV caches (the verifier's job); it only tokenizes.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -29,14 +32,20 @@ import grpc
 
 from actors.build import draft_kind
 from actors.calibrate import hardware_line
-from actors.schema import MAX_GAMMA, NO_DRAFT, Delta, Request, SpecStats, validate
+from actors.schema import MAX_BEAMS, MAX_GAMMA, NO_DRAFT, Delta, Request, SpecStats, validate
 from actors.text import encode_prompt
 from protos import specd_pb2
 
-from .config import ClusterConfig
+from .config import ClusterConfig, draft_deployment_name
 from .wire import delta_to_proto, sampling_from_proto, speculation_from_proto, stats_to_proto
 
 log = logging.getLogger("specd")
+HEALTH_SERVICES = ("", "specd.v1.SpecDecode")
+
+
+def _answer_replica(answer) -> str | None:
+    """The replica id a replica's answer carries (stats and load do), else None."""
+    return answer.get("replica_id") if isinstance(answer, dict) else None
 
 
 class RpcError(Exception):
@@ -61,13 +70,25 @@ class _Generation:
     task: asyncio.Task | None = None
 
 
+@dataclass(eq=False)
+class _Subscription:
+    """One caller of a generation; `aborted` by an Abort RPC naming its request id."""
+    gen: _Generation
+    aborted: bool = False
+
+
 class Router:
+    HEALTH_TIMEOUT_S = 2.0  # a verifier that does not answer a health call within this is not serving
+    CONTROL_TIMEOUT_S = 5.0  # per replica, for GetStats, GetLoad and Abort
+    REPLICAS_TTL_S = 1.0  # how long the controller's list of replicas is reused
+
     def __init__(self, config: dict, verifier, drafts: dict | None = None):
         from transformers import AutoTokenizer
 
         from actors.models import EMBEDDED, embedded_dir, ensure_embedded, model_vocab_size
 
         self.cfg = ClusterConfig.model_validate(config)
+        self._tokens = [t.encode() for t in self.cfg.auth.tokens()]  # never logged
         self.limits = replace(self.cfg.limits(), vocab_size=model_vocab_size(self.cfg.model))
         self.verifier = verifier
         self.draft_handles = drafts or {}
@@ -79,17 +100,50 @@ class Router:
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
         self.inflight: dict[str, _Generation] = {}
+        self.subscriptions: dict[str, list[_Subscription]] = {}  # caller's request id -> its streams here
+        self._replicas_cache: tuple[float, dict[str, list[str]]] = (0.0, {})
         self.admitted = 0
         self.counters = {"requests_total": 0, "coalesced_total": 0, "rejected_total": 0, "tokens_total": 0}
         self.spec_totals = SpecStats()
         self.started = time.time()
+
+    # ---- access control ----------------------------------------------------------------------------
+    def _authorize(self, grpc_context) -> None:
+        """With auth configured: the call must carry ("authorization", "Bearer <token>") with an
+        accepted token, compared in constant time against every one; else UNAUTHENTICATED."""
+        if not self._tokens:
+            return
+        md = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        scheme, _, given = md.get("authorization", "").partition(" ")
+        ok = False
+        for t in self._tokens:  # no early exit: the time taken does not depend on which matched
+            ok |= hmac.compare_digest(given.strip().encode(), t)
+        if scheme.lower() != "bearer" or not ok:
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token "
+                                                            "(metadata 'authorization: Bearer <token>')")
+
+    def _refuses(self, grpc_context) -> bool:
+        """For the unary RPCs: True (with UNAUTHENTICATED set on the call) when unauthorized."""
+        try:
+            self._authorize(grpc_context)
+            return False
+        except RpcError as e:
+            if grpc_context is None:
+                raise
+            grpc_context.set_code(e.code)
+            grpc_context.set_details(e.details)
+            return True
 
     # ---- validation --------------------------------------------------------------------------------
     def _encode(self, req: specd_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids (runs off the event loop: tokenizing a long prompt takes a while)."""
         which = req.WhichOneof("input")
         if which is None:
-            raise ValueError("one of prompt or messages is required")
+            raise ValueError("one of prompt, messages or token_ids is required")
+        if which == "token_ids":
+            if not req.token_ids.ids:
+                raise ValueError("token_ids.ids must not be empty")
+            return list(req.token_ids.ids)  # the schema checks them against the vocabulary
         if which == "prompt":
             if not req.prompt:
                 raise ValueError("prompt must not be empty")
@@ -121,6 +175,7 @@ class Router:
     # ---- streaming core --------------------------------------------------------------------------------
     async def _stream(self, req_pb: specd_pb2.GenerateRequest, grpc_context):
         """Validate, admit, coalesce; yield the generation's `Delta`s with a `coalesced` flag."""
+        self._authorize(grpc_context)
         self.counters["requests_total"] += 1
         try:
             req = await self.validate(req_pb)
@@ -144,12 +199,18 @@ class Router:
             if key is not None:
                 self.inflight[key] = gen
         gen.subscribers += 1
+        sub = _Subscription(gen)
+        self.subscriptions.setdefault(req.request_id, []).append(sub)
         sent = 0
         try:
             while True:
-                while sent < len(gen.chunks):
+                while sent < len(gen.chunks) and not sub.aborted:
                     yield gen.chunks[sent], coalesced
                     sent += 1
+                if sub.aborted:  # this caller only: a coalesced generation goes on for the others
+                    yield Delta(req.request_id, [], "", finish_reason="abort", prompt_tokens=len(req.prompt_ids),
+                                completion_tokens=sum(len(c.token_ids) for c in gen.chunks[:sent])), coalesced
+                    return
                 if gen.error is not None:
                     raise gen.error
                 if gen.done:
@@ -157,6 +218,11 @@ class Router:
                 gen.changed.clear()
                 await gen.changed.wait()
         finally:
+            subs = self.subscriptions.get(req.request_id, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self.subscriptions.pop(req.request_id, None)
             gen.subscribers -= 1
             if gen.subscribers == 0 and not gen.done and gen.task is not None:
                 gen.task.cancel()  # last caller left: stop the generation, free its KV
@@ -224,17 +290,76 @@ class Router:
             return specd_pb2.GenerateResponse()
         last = deltas[-1]
         joined = Delta(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                       last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats)
+                       last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats, last.stop_string)
         return delta_to_proto(joined, request.request_id or last.request_id, coalesced)
 
+    # ---- every replica of a deployment ------------------------------------------------------------
+    async def _replica_ids(self) -> dict[str, list[str]]:
+        """Running replicas' unique ids per deployment of this application, from the Serve
+        controller (the view Serve routes by; cached for REPLICAS_TTL_S); {} when it cannot be
+        asked (outside Serve)."""
+        at, cached = self._replicas_cache
+        if time.monotonic() - at < self.REPLICAS_TTL_S:
+            return cached
+        try:
+            import ray
+            from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+            if not ray.is_initialized():
+                return {}
+            ctrl = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            details = await ctrl.get_serve_instance_details.remote()
+        except Exception as e:
+            log.warning("Serve controller unavailable: %s", e)
+            return {}
+        deps = (details.get("applications", {}).get(self.cfg.app_name) or {}).get("deployments", {})
+        ids = {name: [r["replica_id"] for r in d.get("replicas", []) if r.get("state") == "RUNNING"]
+               for name, d in deps.items()}
+        self._replicas_cache = (time.monotonic(), ids)
+        return ids
+
+    async def _each(self, handle, deployment: str, method: str, *args) -> list:
+        """Call `method` on every running replica of `deployment` (pinned by replica id through
+        cluster.routing.PinnedRouter), each within CONTROL_TIMEOUT_S; a replica that does not
+        answer is left out. Without a controller (unit tests) the handle's one answer. Answers
+        that carry a replica_id are deduplicated by it (an unknown pin falls back to any replica)."""
+        ids = (await self._replica_ids()).get(deployment)
+
+        async def one(pin):
+            h = handle.options(session_id=pin) if pin else handle
+            return await asyncio.wait_for(getattr(h, method).remote(*args), timeout=self.CONTROL_TIMEOUT_S)
+        pins = ids or [None]
+        results = dict(zip(pins, await asyncio.gather(*(one(pin) for pin in pins), return_exceptions=True)))
+        for pin, x in results.items():
+            # A handle that is still learning its replicas may hold a pinned call back or send it
+            # elsewhere: ask that replica once more (every method here may be repeated).
+            if pin is not None and (isinstance(x, BaseException) or _answer_replica(x) not in (None, pin)):
+                try:
+                    results[pin] = await one(pin)
+                except Exception as e:
+                    results[pin] = e
+        out, seen = [], set()
+        for x in results.values():
+            if isinstance(x, BaseException):
+                log.warning("%s.%s unavailable on a replica: %r", deployment, method, x)
+                continue
+            rid = _answer_replica(x)
+            if rid is None or rid not in seen:
+                seen.add(rid)
+                out.append(x)
+        return out
+
     async def GetStats(self, request, grpc_context=None) -> specd_pb2.StatsResponse:
+        """Router counters, and every live verifier and draft replica (each asked through its
+        own pinned call, so all of a pool's replicas appear, not the one a handle picked)."""
+        if self._refuses(grpc_context):
+            return specd_pb2.StatsResponse()
         r = specd_pb2.StatsResponse(requests_active=self.admitted, uptime_seconds=time.time() - self.started,
                                     **self.counters)
         if self.spec_totals.target_passes:
             r.spec_stats.CopyFrom(stats_to_proto(self.spec_totals))
-        try:
-            v = await self.verifier.stats.remote()
-            r.requests_queued = v.get("queued", 0)
+        for v in await self._each(self.verifier, "Verifier", "stats"):
+            r.requests_queued += v.get("queued", 0)
             rep = r.replicas.add(replica_id=v["replica_id"], role="verifier", active_sequences=v["active_sequences"],
                                  kv_slots_in_use=v["kv_slots_in_use"], kv_slots_total=v["kv_slots_total"],
                                  dtype=v["engine"].get("dtype", ""), dtype_reason=v["engine"].get("dtype_reason", ""),
@@ -243,18 +368,45 @@ class Router:
                 rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],
                                acceptance=st["accept_curve"], steps=st["steps"],
                                speculated_steps=st["speculated_steps"])
-            for h in self.draft_handles.values():
-                d = await h.stats.remote()
+        for name, h in self.draft_handles.items():
+            for d in await self._each(h, draft_deployment_name(name), "stats"):
                 r.replicas.add(replica_id=d["replica_id"], role="draft", active_sequences=d["active_sequences"],
                                kv_slots_in_use=d["kv_slots_in_use"], kv_slots_total=d["kv_slots_total"])
-        except Exception as e:  # stats must not fail because one replica is busy restarting
-            log.warning("replica stats unavailable: %s", e)
         return r
 
+    async def GetLoad(self, request, grpc_context=None) -> specd_pb2.LoadResponse:
+        if self._refuses(grpc_context):
+            return specd_pb2.LoadResponse()
+        r = specd_pb2.LoadResponse()
+        for v in await self._each(self.verifier, "Verifier", "load"):
+            r.replicas.add(**v)
+        return r
+
+    async def Abort(self, request: specd_pb2.AbortRequest, grpc_context=None) -> specd_pb2.AbortResponse:
+        """Streams of these ids on this router replica end with finish reason "abort" (a coalesced
+        generation goes on for its other callers; one left without callers is cancelled, which
+        frees its KV). Ids this replica does not hold are aborted on every verifier replica (a
+        request another router replica streams)."""
+        if self._refuses(grpc_context):
+            return specd_pb2.AbortResponse()
+        ids = list(dict.fromkeys(i for i in request.request_ids if i))
+        found = {i for i in ids if i in self.subscriptions}
+        for i in found:
+            for sub in self.subscriptions[i]:
+                sub.aborted = True
+                sub.gen.changed.set()
+        rest = [i for i in ids if i not in found]
+        if rest:
+            for got in await self._each(self.verifier, "Verifier", "abort_ids", rest):
+                found.update(got)
+        return specd_pb2.AbortResponse(aborted=[i for i in ids if i in found])
+
     async def ListModels(self, request, grpc_context=None) -> specd_pb2.ListModelsResponse:
+        if self._refuses(grpc_context):
+            return specd_pb2.ListModelsResponse()
         cfg = self.cfg
         r = specd_pb2.ListModelsResponse(target=cfg.model, max_gamma=MAX_GAMMA, max_tokens=cfg.router.max_tokens,
-                                         context_length=cfg.max_len, max_beams=self.limits.max_beams)
+                                         context_length=cfg.max_len, max_beams=min(MAX_BEAMS, self.limits.max_beams))
         r.drafts.add(name=NO_DRAFT, kind=NO_DRAFT, default=cfg.router.default_draft == NO_DRAFT)
         for d in cfg.drafts:
             auto = d.default_gamma == "auto"
@@ -263,6 +415,26 @@ class Router:
         return r
 
     async def Check(self, request, grpc_context=None):
+        """grpc.health.v1: service "" (the server) and "specd.v1.SpecDecode" are SERVING while a
+        verifier replica is running (its models loaded), NOT_SERVING before and while none is;
+        any other service name is NOT_FOUND. Read from the Serve controller, so a busy verifier
+        (every slot streaming) still reads as serving."""
         from grpc_health.v1 import health_pb2
 
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        if request.service not in HEALTH_SERVICES:
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {request.service!r}; known: {list(HEALTH_SERVICES)}")
+            return health_pb2.HealthCheckResponse()
+        ids = await self._replica_ids()
+        if ids:  # the controller's view: a replica is RUNNING once its models have loaded
+            up = bool(ids.get("Verifier"))
+        else:  # no controller to ask: whether a verifier answers (a call waits while none has loaded)
+            try:
+                await asyncio.wait_for(self.verifier.check_health.remote(), timeout=self.HEALTH_TIMEOUT_S)
+                up = True
+            except Exception:
+                up = False
+        S = health_pb2.HealthCheckResponse
+        status = S.SERVING if up else S.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)

@@ -1,6 +1,7 @@
-"""Sticky routing for draft replicas: a sequence's proposals go where its draft KV lives.
+"""Pinned routing: a sequence's proposals go where its draft KV lives, and the router reaches
+every verifier (and draft) replica by id for GetStats, GetLoad and Abort.
 
-The verifier passes the pinned replica's id as the Serve `session_id`. If that
+The caller passes the pinned replica's id as the Serve `session_id`. If that
 replica is among the live candidates the request goes there; otherwise (a new
 sequence, or the replica was lost or scaled away) the default power-of-two choice
 picks a replica, and the draft server reports the sequence as `missing` so the

@@ -3,7 +3,7 @@
 A thread steps the engine; requests join at step boundaries and leave the moment they
 finish, are cancelled or run out of time, freeing their KV here and on their draft.
 Each `generate` call is one subscription: the engine keys sequences by its own key, so
-callers that reuse a request id never meet. A request's time limit arrives as a duration
+callers that reuse a request id never meet (`abort_ids` ends every sequence with the id). A request's time limit arrives as a duration
 (seconds remaining when the router sent it) and becomes a deadline on this host's
 monotonic clock, so clocks that differ between hosts cannot expire or extend it.
 
@@ -18,12 +18,13 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from actors.build import build_engine, spec_wants_hidden
-from actors.schema import Request
+from actors.schema import Delta, Request
 
 from .config import ClusterConfig
 from .draft_server import RemoteDrafter
@@ -41,9 +42,12 @@ class _Ticket:
     inbox: asyncio.Queue
     key: int | None = None
     deadline: float | None = None
+    sent: int = 0  # tokens delivered so far
 
 
 class VerifierServer:
+    RECENT = 64  # steps over which `load` reports the acceptance rate
+
     def __init__(self, config: dict, draft_handles: dict | None = None):
         cfg = ClusterConfig.model_validate(config)
         v = cfg.verifier
@@ -64,6 +68,9 @@ class VerifierServer:
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, _Ticket] = {}  # engine key -> subscription
         self.steps = 0
+        # (drafted, accepted) tokens, cumulative, after each of the last RECENT steps: GetLoad's
+        # recent acceptance is the rate between the oldest and the newest
+        self.recent: deque[tuple[int, int]] = deque([(0, 0)], maxlen=self.RECENT + 1)
         self._thread = threading.Thread(target=self._loop, name="specd-batcher", daemon=True)
         self._thread.start()
 
@@ -86,14 +93,32 @@ class VerifierServer:
             if not finished:  # cancelled by the caller: free the KV here and on the draft
                 self.inbox.put(("abort", t))
 
+    async def _on_batcher(self, op: str, arg=None):
+        """Run `op` on the batcher thread at the next step boundary; its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.inbox.put((op, (arg, loop, done)))
+        return await done
+
     async def set_pipeline(self, on: bool) -> dict:
         """Turn pipelining on or off on this replica at run time (it applies at the next step
         boundary; draft calls already in flight are verified first). Returns stats()."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self.inbox.put(("pipeline", (bool(on), loop, done)))
-        await done
+        await self._on_batcher("pipeline", bool(on))
         return await self.stats()
+
+    async def abort_ids(self, request_ids: list[str]) -> list[str]:
+        """Abort every request here with one of these ids: its stream ends with finish reason
+        "abort" and its KV is freed. Returns the ids found."""
+        return await self._on_batcher("abort_ids", set(request_ids))
+
+    async def load(self) -> dict:
+        eng = self.engine
+        (d0, a0), (d1, a1) = self.recent[0], self.recent[-1]
+        return {"replica_id": self.replica, "running": len(eng.active), "waiting": eng.num_waiting(),
+                "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch,
+                "draft_kv_slots_in_use": sum(d.num_active() for d in eng.drafters.values()
+                                             if not isinstance(d, RemoteDrafter) and d.free_capacity() is not None),
+                "recent_acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0}
 
     async def stats(self) -> dict:
         eng = self.engine
@@ -131,10 +156,19 @@ class VerifierServer:
             self.tickets[arg.key] = arg
         elif op == "abort":
             self._drop(arg)
-        elif op == "pipeline":
-            on, loop, fut = arg
-            self.engine.set_pipeline(on)
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        elif op in ("pipeline", "abort_ids"):
+            val, loop, fut = arg
+            result = None
+            if op == "pipeline":
+                self.engine.set_pipeline(val)
+            else:
+                result = []
+                for t in [t for t in self.tickets.values() if t.request.request_id in val]:
+                    self._drop(t)
+                    self._deliver(t, Delta(t.request.request_id, [], "", finish_reason="abort",
+                                           prompt_tokens=len(t.request.prompt_ids), completion_tokens=t.sent))
+                    result.append(t.request.request_id)
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
     def _loop(self) -> None:
         eng = self.engine
@@ -144,7 +178,13 @@ class VerifierServer:
                 while True:  # requests join (and leave) at step boundaries
                     op, arg = self.inbox.get(block=block)
                     block = False
-                    self._handle(op, arg)
+                    try:
+                        self._handle(op, arg)
+                    except Exception as e:  # the batcher goes on; a caller waiting on the op learns why
+                        log.exception("batcher op %s failed", op)
+                        if op in ("pipeline", "abort_ids"):
+                            _, loop, fut = arg
+                            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -162,10 +202,15 @@ class VerifierServer:
                     self._deliver(t, RuntimeError(f"engine step failed: {e}"))
                 continue
             self.steps += 1
+            st = eng.stats  # finished requests' counts, plus the active ones' below
+            live = [s.stats for s in eng.active.values()]
+            self.recent.append((st.draft_tokens + sum(x.draft_tokens for x in live),
+                                st.accepted_tokens + sum(x.accepted_tokens for x in live)))
             for key, delta in outs.items():
                 t = self.tickets.get(key)
                 if t is None:
                     continue
+                t.sent += len(delta.token_ids)
                 if delta.finished:
                     del self.tickets[key]
                 self._deliver(t, delta)

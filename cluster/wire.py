@@ -51,6 +51,7 @@ def delta_to_proto(d: Delta, request_id: str, coalesced: bool) -> specd_pb2.Gene
     r = specd_pb2.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids, coalesced=coalesced)
     if d.finished:
         r.finish_reason = FINISH[d.finish_reason]
+        r.stop_string = d.stop_string
         r.usage.prompt_tokens = d.prompt_tokens
         r.usage.completion_tokens = d.completion_tokens
         if d.stats is not None:

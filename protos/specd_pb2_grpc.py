@@ -55,6 +55,16 @@ class SpecDecodeStub:
                 request_serializer=protos_dot_specd__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_specd__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/specd.v1.SpecDecode/Abort',
+                request_serializer=protos_dot_specd__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_specd__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/specd.v1.SpecDecode/GetLoad',
+                request_serializer=protos_dot_specd__pb2.LoadRequest.SerializeToString,
+                response_deserializer=protos_dot_specd__pb2.LoadResponse.FromString,
+                _registered_method=True)
 
 
 class SpecDecodeServicer:
@@ -94,6 +104,24 @@ class SpecDecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Aborts the in-flight requests with these ids (every one, where a caller
+        reused an id): their streams end with FINISH_REASON_ABORT and their KV is
+        freed. Unknown or finished ids are ignored. A dropped or cancelled stream
+        aborts its request too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """Load per verifier replica: running and waiting sequences, KV in use and
+        recent acceptance (for load balancers and autoscalers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpecDecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +144,16 @@ def add_SpecDecodeServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_specd__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_specd__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_specd__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_specd__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_specd__pb2.LoadRequest.FromString,
+                    response_serializer=protos_dot_specd__pb2.LoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +265,60 @@ class SpecDecode:
             '/specd.v1.SpecDecode/ListModels',
             protos_dot_specd__pb2.ListModelsRequest.SerializeToString,
             protos_dot_specd__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.SpecDecode/Abort',
+            protos_dot_specd__pb2.AbortRequest.SerializeToString,
+            protos_dot_specd__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.SpecDecode/GetLoad',
+            protos_dot_specd__pb2.LoadRequest.SerializeToString,
+            protos_dot_specd__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,11 +13,13 @@
   specd lab [--quick]               measure the seed's claims on your target and drafts (out/lab/report.md)
   specd cost BENCH.json --rps R --tokens N
                                     $/1M tokens, J/token, replicas and latency per option and accelerator
+Commands that talk to a cluster send $SPECD_TOKEN as the bearer token when it is set.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -210,7 +212,7 @@ def _generate_remote(args) -> int:
     from specd_client.errors import SpecdError
 
     messages = json.loads(args.messages_json) if args.messages_json else None
-    with SpecdClient(args.address) as client:
+    with SpecdClient(args.address, token=os.environ.get("SPECD_TOKEN")) as client:
         kw = dict(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   stop=args.stop or None, num_beams=args.num_beams, length_penalty=args.length_penalty,
@@ -367,7 +369,7 @@ def _demo_cluster(args) -> int:
     t0 = time.perf_counter()
     try:
         addr = S.start(cfg)
-        with SpecdClient(addr, timeout=300) as client:
+        with SpecdClient(addr, timeout=300, token=os.environ.get("SPECD_TOKEN")) as client:
             S.wait_serving(client, timeout=300, poll=0.5)
             reps = client.stats().replicas
             roles = [f"{r.role} {r.replica_id.split('#')[-1]}" for r in reps]

@@ -5,18 +5,18 @@
         print(client.generate("Hello", max_tokens=32).text)
 
 `SpecdClient` (blocking) and `AsyncSpecdClient` (asyncio) share one surface:
-generate, stream, health, is_healthy, stats, list_models, close. Failed calls
+generate, stream, abort, health, is_healthy, stats, load, list_models, close. Failed calls
 raise typed `SpecdError` subclasses (specd_client.errors). Importing this
 package pulls in only grpcio, protobuf, the stdlib and the generated stubs in
 `protos` (no torch, ray, transformers or numpy).
 """
-from .client import (HEALTH_SERVICE, AsyncSpecdClient, Chunk, DraftInfo, ModelsInfo, ReplicaStats, Result,
-                     SpecdClient, Stats, Usage, build_request)
+from .client import (HEALTH_SERVICE, AsyncSpecdClient, Chunk, DraftInfo, ModelsInfo, ReplicaLoad, ReplicaStats,
+                     Result, SpecdClient, Stats, Usage, build_request)
 from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound,
                      ResourceExhausted, SpecdError, Unauthenticated, Unavailable, Unimplemented)
 
 __all__ = [
-    "SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats", "ModelsInfo",
+    "SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats", "ReplicaLoad", "ModelsInfo",
     "DraftInfo", "HEALTH_SERVICE", "build_request",
     "SpecdError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "Cancelled", "FailedPrecondition", "Unimplemented", "Internal", "Unauthenticated",

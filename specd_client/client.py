@@ -89,6 +89,7 @@ class Result:
     # draft_seconds, verify_seconds. None if the server sent none.
     spec_stats: dict[str, Any] | None
     coalesced: bool = False
+    stop_string: str = ""  # the stop string that ended the generation ("" otherwise)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Chunk:
     usage: Usage | None = None
     spec_stats: dict[str, Any] | None = None
     coalesced: bool = False
+    stop_string: str = ""  # last chunk: the stop string that ended the generation ("" otherwise)
 
     @property
     def final(self) -> bool:
@@ -121,6 +123,18 @@ class ReplicaStats:
     # acceptance estimate per position, and step counts:
     # {"draft": {"gamma", "speculated_share", "acceptance", "steps", "speculated_steps"}}
     policy: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class ReplicaLoad:
+    """One verifier replica's load now (GetLoad)."""
+    replica_id: str
+    running: int
+    waiting: int
+    kv_slots_in_use: int
+    kv_slots_total: int
+    draft_kv_slots_in_use: int
+    recent_acceptance: float
 
 
 @dataclass
@@ -179,7 +193,7 @@ def _result(r: specd_pb2.GenerateResponse) -> Result:
     return Result(request_id=r.request_id, text=r.text, token_ids=list(r.token_ids),
                   finish_reason=_FINISH.get(r.finish_reason), usage=_usage(r.usage),
                   spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
-                  coalesced=r.coalesced)
+                  coalesced=r.coalesced, stop_string=r.stop_string)
 
 
 def _chunk(r: specd_pb2.GenerateResponse) -> Chunk:
@@ -187,7 +201,12 @@ def _chunk(r: specd_pb2.GenerateResponse) -> Chunk:
                  finish_reason=_FINISH.get(r.finish_reason),
                  usage=_usage(r.usage) if r.HasField("usage") else None,
                  spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
-                 coalesced=r.coalesced)
+                 coalesced=r.coalesced, stop_string=r.stop_string)
+
+
+def _load(r: specd_pb2.LoadResponse) -> list[ReplicaLoad]:
+    return [ReplicaLoad(x.replica_id, x.running, x.waiting, x.kv_slots_in_use, x.kv_slots_total,
+                        x.draft_kv_slots_in_use, x.recent_acceptance) for x in r.replicas]
 
 
 def _stats(r: specd_pb2.StatsResponse) -> Stats:
@@ -230,18 +249,23 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   length_penalty: float | None = None, early_stopping: bool | None = None,
                   draft: str | None = None, gamma: int | str | None = None, tree: int | None = None,
                   threshold: float | None = None, entropy_gate: float | None = None,
-                  acceptance: str | None = None, request_id: str | None = None) -> specd_pb2.GenerateRequest:
+                  acceptance: str | None = None, request_id: str | None = None,
+                  token_ids: Sequence[int] | None = None) -> specd_pb2.GenerateRequest:
     """The GenerateRequest for these arguments. None = unset = the server's default.
 
-    Exactly one of `prompt` (raw text) and `messages` (chat turns: mappings with
-    role/content, (role, content) pairs or ChatMessage protos) is required.
+    Exactly one of `prompt` (raw text), `messages` (chat turns: mappings with
+    role/content, (role, content) pairs or ChatMessage protos) and `token_ids` (the
+    target's token ids, used as they are) is required.
     Values are not range-checked here: the server validates and answers
     INVALID_ARGUMENT naming the field and its limit.
     """
-    if (prompt is None) == (messages is None):
-        raise ValueError("pass exactly one of prompt= or messages=")
+    if (prompt is not None) + (messages is not None) + (token_ids is not None) != 1:
+        raise ValueError("pass exactly one of prompt=, messages= or token_ids=")
     req = specd_pb2.GenerateRequest(request_id=request_id or "")
-    if prompt is not None:
+    if token_ids is not None:
+        req.token_ids.SetInParent()  # selects the oneof even for an empty list (server rejects it)
+        req.token_ids.ids.extend(int(t) for t in token_ids)
+    elif prompt is not None:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         req.prompt = prompt
@@ -326,7 +350,7 @@ class _Base:
                  backoff: float = 0.1, max_backoff: float = 2.0, jitter: bool = True,
                  app_name: str | None = "specd", metadata: Sequence[tuple[str, str]] = (),
                  credentials: grpc.ChannelCredentials | None = None,
-                 options: Sequence[tuple[str, Any]] = ()):
+                 options: Sequence[tuple[str, Any]] = (), token: str | None = None):
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if backoff < 0:
@@ -340,6 +364,8 @@ class _Base:
         self.app_name = app_name
         md = [("application", app_name)] if app_name is not None else []
         md += [(str(k).lower(), v) for k, v in metadata]
+        if token is not None:
+            md.append(("authorization", f"Bearer {token}"))
         self.metadata: tuple[tuple[str, str], ...] = tuple(md)
         self._credentials = credentials
         self._options = list(options)
@@ -382,6 +408,8 @@ class SpecdClient(_Base):
     metadata: extra (key, value) metadata sent on every call.
     credentials: grpc.ssl_channel_credentials(...) for TLS; None = plaintext.
     options: extra grpc channel options.
+    token: a bearer token for servers with `auth` configured, sent as
+        ("authorization", "Bearer <token>") metadata on every call.
     """
 
     def __init__(self, address: str, **kwargs: Any):
@@ -416,7 +444,7 @@ class SpecdClient(_Base):
                timeout: float | None = _DEFAULT, **params: Any) -> Iterator[Chunk]:
         """Stream a completion as Chunk deltas (GenerateStream).
 
-        The request is validated (prompt xor messages) immediately; the RPC starts
+        The request is validated (exactly one input) immediately; the RPC starts
         on the first next(). Closing the iterator early (break / .close()) cancels
         the RPC, which aborts the generation server-side.
         """
@@ -469,6 +497,16 @@ class SpecdClient(_Base):
         """The target model, the available drafts and the server's limits (ListModels)."""
         return _models(self._unary(self._stub.ListModels, specd_pb2.ListModelsRequest(), timeout,
                                    "ListModels"))
+
+    def abort(self, request_ids: str | Sequence[str], *, timeout: float | None = _DEFAULT) -> list[str]:
+        """Abort in-flight requests by id (Abort); returns the ids that were in flight."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        return list(self._unary(self._stub.Abort, specd_pb2.AbortRequest(request_ids=ids), timeout,
+                                "Abort").aborted)
+
+    def load(self, *, timeout: float | None = _DEFAULT) -> list[ReplicaLoad]:
+        """Per verifier replica: running, waiting, KV in use and recent acceptance (GetLoad)."""
+        return _load(self._unary(self._stub.GetLoad, specd_pb2.LoadRequest(), timeout, "GetLoad"))
 
     def close(self) -> None:
         self._channel.close()
@@ -531,7 +569,7 @@ class AsyncSpecdClient(_Base):
                timeout: float | None = _DEFAULT, **params: Any) -> AsyncIterator[Chunk]:
         """Stream a completion as Chunk deltas: `async for chunk in client.stream(...)`.
 
-        prompt xor messages is checked immediately; the RPC starts on the first
+        exactly one input is checked immediately; the RPC starts on the first
         iteration. Closing the iterator early (`await it.aclose()`, or
         contextlib.aclosing) cancels the RPC, aborting the generation server-side.
         """
@@ -582,6 +620,16 @@ class AsyncSpecdClient(_Base):
         """The target model, the available drafts and the server's limits (ListModels)."""
         return _models(await self._unary(lambda: self._stub.ListModels, specd_pb2.ListModelsRequest(),
                                          timeout, "ListModels"))
+
+    async def abort(self, request_ids: str | Sequence[str], *, timeout: float | None = _DEFAULT) -> list[str]:
+        """Abort in-flight requests by id (Abort); returns the ids that were in flight."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        r = await self._unary(lambda: self._stub.Abort, specd_pb2.AbortRequest(request_ids=ids), timeout, "Abort")
+        return list(r.aborted)
+
+    async def load(self, *, timeout: float | None = _DEFAULT) -> list[ReplicaLoad]:
+        """Per verifier replica: running, waiting, KV in use and recent acceptance (GetLoad)."""
+        return _load(await self._unary(lambda: self._stub.GetLoad, specd_pb2.LoadRequest(), timeout, "GetLoad"))
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -101,7 +101,7 @@ def run_beams(model: str = "smollm2", beams=(2, 4), drafts=("ngram", "default"),
             "target_passes": st.target_passes if name != "hf" else None,
             "beam_steps_per_pass": steps / st.target_passes if st.target_passes else None,
             "accepted_per_beam_step": st.accepted_tokens / steps if steps else None,
-            "draft_tokens_per_pass": st.draft_tokens / st.drafts if st.drafts else None,
+            "draft_tokens_per_beam_per_pass": st.draft_tokens / st.drafts if st.drafts else None,
             "kv_positions_copied_at_forks": r["forked"] if name != "hf" else None,
             "hf_cache_reorder_positions": r["hf_reorder"] if name == "hf" else None})
     for res in results:
@@ -125,7 +125,7 @@ def render(rep: dict) -> str:
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
     t = Table(title=f"specd bench --local --beams  ({rep['model']}, {rep['dtype']}, {rep['prompts']} prompts, "
-                    f"≤{rep['max_tokens']} new tokens, γ={rep['gamma']}, batch 1)")
+                    f"≤{rep['max_tokens']} new tokens, chains γ={rep['gamma']}, trees depth ≤ 6, batch 1)")
     for h in ("B", "config", "tok/s", "× HF beams", "× engine beams", "= HF", "beam steps/pass",
               "accepted/beam step", "KV positions copied"):
         t.add_column(h, justify="left" if h == "config" else "right")

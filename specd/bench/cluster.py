@@ -249,7 +249,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
     load_before = os.getloadavg()
     prompts = load_prompts(prompts_path)[:limit]
     conc = sorted(set(int(c) for c in concurrency))
-    client = SpecdClient(address, timeout=timeout)
+    client = SpecdClient(address, timeout=timeout, token=os.environ.get("SPECD_TOKEN"))
     try:
         wait_serving(client, timeout=120, poll=0.5)
         info = client.list_models()
@@ -477,7 +477,7 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
     verifier = serve.get_deployment_handle("Verifier", app_name=app_name)
     prompts = load_prompts(prompts_path)[:limit]
     conc = sorted(set(int(c) for c in concurrency))
-    client = SpecdClient(address, timeout=timeout)
+    client = SpecdClient(address, timeout=timeout, token=os.environ.get("SPECD_TOKEN"))
     try:
         wait_serving(client, timeout=120, poll=0.5)
         info = client.list_models()

@@ -158,6 +158,50 @@ def test_cancelled_stream_frees_kv_on_verifier_and_draft(cluster):
     assert {r.role for r in reps} == {"verifier", "draft"}
 
 
+def test_abort_rpc_ends_the_stream_with_abort_and_frees_kv(cluster):
+    """Abort(request_ids) ends the named stream (finish reason "abort", usage counting what was
+    streamed), frees its KV on the verifier and its draft, ignores unknown ids, and GetLoad sees
+    the running sequence before and none after."""
+    it = cluster.stream(prompt="Count from one to one hundred:", max_tokens=128, draft="truncated:4", gamma=2,
+                        request_id="abort-me")
+    got = list(next(it).token_ids)
+    load = cluster.load()
+    assert len(load) == 1 and load[0].running == 1 and load[0].kv_slots_in_use == 1
+    assert load[0].kv_slots_total == 4 and 0 <= load[0].recent_acceptance <= 1
+    assert cluster.abort(["abort-me", "never-sent"]) == ["abort-me"]
+    chunks = list(it)
+    got += [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].finish_reason == "abort" and chunks[-1].usage.completion_tokens == len(got) < 128
+    wait_kv_free(cluster)
+    assert cluster.load()[0].running == 0 and cluster.abort("abort-me") == []
+
+
+def test_token_ids_input_and_the_matched_stop_string(cluster, smollm2):
+    """Token ids are an input beside text and messages (checked against the vocabulary), and the
+    final message names the stop string that ended the generation."""
+    ids = encode_prompt(smollm2.tokenizer, prompt="The capital of France is")
+    by_text = cluster.generate(prompt="The capital of France is", max_tokens=12)
+    assert cluster.generate(token_ids=ids, max_tokens=12).token_ids == by_text.token_ids
+    with pytest.raises(InvalidArgument, match="token_ids.ids must not be empty"):
+        cluster.generate(token_ids=[])
+    with pytest.raises(InvalidArgument, match="49152"):  # the vocabulary size, named as the limit
+        cluster.generate(token_ids=[1, 10**6])
+    word = by_text.text.split()[2]
+    r = cluster.generate(prompt="The capital of France is", max_tokens=12, stop=["@@never@@", word])
+    assert r.finish_reason == "stop" and r.stop_string == word and word not in r.text
+    chunks = list(cluster.stream(prompt="The capital of France is", max_tokens=12, stop=[word]))
+    assert chunks[-1].stop_string == word and all(c.stop_string == "" for c in chunks[:-1])
+    assert cluster.generate(prompt="The capital of France is", max_tokens=3).stop_string == ""
+
+
+def test_health_per_service(cluster):
+    from specd_client import NotFound
+
+    assert cluster.health() == "SERVING" and cluster.health("specd.v1.SpecDecode") == "SERVING"
+    with pytest.raises(NotFound):
+        cluster.health("specd.v1.Nope")
+
+
 def test_deadline_stops_the_sequence_and_frees_kv(cluster):
     t0 = time.time()
     with pytest.raises(DeadlineExceeded):

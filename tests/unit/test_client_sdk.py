@@ -560,3 +560,56 @@ def test_sdk_imports_only_grpc_and_protobuf(tmp_path):
     allowed = {"grpc", "google", "typing_extensions", "specd_client", "protos"}
     extra = {m for m in out["third_party"] if m not in allowed and not m.startswith(("_cython", "cython_"))}
     assert not extra, f"the SDK imported unexpected third-party modules: {sorted(extra)}"
+
+
+def _self_signed(host: str = "localhost") -> tuple[bytes, bytes]:
+    """A throwaway self-signed certificate for `host` and its key (PEM)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_tls_channel_and_bearer_token(script):
+    """The SDK over TLS (what a client of a TLS-terminating ingress does): a TLS server started
+    here with a self-signed certificate; the SDK with channel credentials trusting it gets its
+    answers (sync and async), and sends the bearer token as `authorization` metadata. A
+    plaintext client, or one that does not trust the certificate, cannot talk to it."""
+    cert, key = _self_signed()
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[Interceptor(script)])
+    specd_pb2_grpc.add_SpecDecodeServicer_to_server(Servicer(script), srv)
+    port = srv.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+    srv.start()
+    try:
+        trust = grpc.ssl_channel_credentials(root_certificates=cert)
+        with SpecdClient(f"localhost:{port}", credentials=trust, token="tok-1", timeout=10) as c:
+            assert c.generate("hello", max_tokens=5).text == "hello"
+        assert script.metadata[-1]["authorization"] == "Bearer tok-1"
+
+        async def via_async():
+            async with AsyncSpecdClient(f"localhost:{port}", credentials=trust, timeout=10) as ac:
+                return (await ac.generate("tls", max_tokens=3)).text
+        assert asyncio.run(via_async()) == "tls"
+
+        other, _ = _self_signed()
+        for creds in (None, grpc.ssl_channel_credentials(root_certificates=other)):
+            with SpecdClient(f"localhost:{port}", credentials=creds, timeout=3, retries=0) as bad:
+                with pytest.raises(Unavailable):
+                    bad.generate("hello", max_tokens=5)
+    finally:
+        srv.stop(grace=None)

@@ -80,7 +80,7 @@ def test_stubs_are_package_qualified_and_service_shape():
     assert "from protos import specd_pb2" in Path(specd_pb2_grpc.__file__).read_text()
     svc = specd_pb2.DESCRIPTOR.services_by_name["SpecDecode"]
     methods = {m.name: m for m in svc.methods}
-    assert set(methods) == {"Generate", "GenerateStream", "GetStats", "ListModels"}
+    assert set(methods) == {"Generate", "GenerateStream", "GetStats", "ListModels", "Abort", "GetLoad"}
     assert methods["GenerateStream"].server_streaming and not methods["GenerateStream"].client_streaming
     assert not methods["Generate"].server_streaming
     assert methods["Generate"].input_type.name == methods["GenerateStream"].input_type.name == "GenerateRequest"

@@ -6,7 +6,10 @@ in-process engine (tiny model), driven with real proto messages.
   * the time a request has left crosses to the verifier as a duration, never as a wall-clock
     deadline (regression: an absolute time.time() deadline, wrong under clock skew);
   * prompts are tokenized off the event loop;
-  * two in-flight requests with the same request_id each get their own output.
+  * two in-flight requests with the same request_id each get their own output;
+  * health: NOT_SERVING until a verifier answers, NOT_FOUND for unknown services;
+  * Abort ends one caller's stream, also of a coalesced generation, which goes on for the other;
+  * bearer tokens: none, a wrong one or another scheme is UNAUTHENTICATED on every RPC.
 """
 from __future__ import annotations
 
@@ -63,8 +66,11 @@ class FakeVerifier:
 
 
 class Context:
-    def __init__(self, remaining=None):
-        self.remaining, self.code, self.details = remaining, None, None
+    def __init__(self, remaining=None, metadata=()):
+        self.remaining, self.code, self.details, self.metadata = remaining, None, None, list(metadata)
+
+    def invocation_metadata(self):
+        return self.metadata
 
     def time_remaining(self):
         return self.remaining
@@ -161,3 +167,92 @@ def test_wire_conversion_keeps_presence(router):
     assert req.sampling.max_tokens == 8 and req.speculation.draft == "ngram" and req.speculation.gamma == 3
     req = asyncio.run(router.validate(build_request(prompt="4 5 6", gamma=0, max_tokens=3)))
     assert req.sampling.max_tokens == 3 and req.draft is None and req.gamma == 0
+
+
+def test_health_is_not_serving_until_a_verifier_answers(router):
+    """grpc.health.v1 Check: NOT_SERVING while no verifier replica has loaded (its health call
+    does not return: Serve holds calls until a replica is up), SERVING once one answers, and
+    NOT_FOUND for a service this server does not have. (The verifier handle is a fake here;
+    tests/cluster/ checks SERVING on a real cluster.)"""
+    from grpc_health.v1 import health_pb2
+
+    class Loading:  # a handle whose replica is still constructing
+        async def _never(self):
+            await asyncio.sleep(3600)
+
+        def remote(self):
+            return self._never()
+
+    class Ready:
+        async def _ok(self):
+            return None
+
+        def remote(self):
+            return self._ok()
+
+    def check(service):
+        ctx = Context()
+        return asyncio.run(router.Check(health_pb2.HealthCheckRequest(service=service), ctx)), ctx
+
+    S = health_pb2.HealthCheckResponse
+    router.HEALTH_TIMEOUT_S = 0.05
+    router.verifier.check_health = Loading()
+    for service in ("", "specd.v1.SpecDecode"):
+        assert check(service)[0].status == S.NOT_SERVING
+    router.verifier.check_health = Ready()
+    for service in ("", "specd.v1.SpecDecode"):
+        assert check(service)[0].status == S.SERVING
+    resp, ctx = check("specd.v1.Nope")
+    assert ctx.code == grpc.StatusCode.NOT_FOUND and "specd.v1.Nope" in ctx.details
+
+
+def test_abort_ends_one_caller_of_a_coalesced_generation(router, tiny, hf_greedy):
+    """Two identical greedy requests share one generation (coalescing); Abort of the first id
+    ends that caller's stream with finish reason "abort" and usage counting what it received,
+    while the other caller still gets the whole output. Unknown ids are not reported."""
+    ref = hf_greedy(tiny.model, [5, 6, 7, 8], 24, eos=None)
+
+    async def go():
+        a = build_request(prompt="5 6 7 8", max_tokens=24, request_id="A", gamma=0)
+        b = build_request(prompt="5 6 7 8", max_tokens=24, request_id="B", gamma=0)
+        got = {"A": [], "B": []}
+
+        async def one(pb):
+            async for d, _ in router._stream(pb, Context()):
+                got[pb.request_id].append(d)
+                if pb.request_id == "A" and len(got["A"]) == 2:
+                    resp = await router.Abort(specd_pb2.AbortRequest(request_ids=["A", "nope"]), Context())
+                    assert list(resp.aborted) == ["A"]
+        await asyncio.gather(one(a), one(b))
+        return got
+    got = asyncio.run(go())
+    a, b = got["A"], got["B"]
+    assert a[-1].finish_reason == "abort" and a[-1].completion_tokens == sum(len(d.token_ids) for d in a) < 24
+    assert [t for d in b for t in d.token_ids] == ref and b[-1].finish_reason == "length"
+    assert router.counters["coalesced_total"] == 1 and not router.subscriptions
+
+
+def test_bearer_tokens(tiny, tmp_path, monkeypatch):
+    eng = SpecEngine(LlamaRunner(tiny.model), {"ngram": NgramDrafter()}, max_batch=4, max_len=128)
+    (tmp_path / "tokens").write_text("# comment\n tok-a , tok-b\n\n")
+    monkeypatch.setenv("SPECD_TEST_TOKENS", "tok-c")
+    r = Router({**CONFIG, "auth": {"tokens_file": str(tmp_path / "tokens"), "tokens_env": "SPECD_TEST_TOKENS"}},
+               FakeVerifier(eng))
+    ok = build_request(prompt="5 6 7", max_tokens=2)
+    for tok in ("tok-a", "tok-b", "tok-c"):
+        assert generate(r, ok, Context(metadata=[("authorization", f"Bearer {tok}")]))[-1].finished
+    for md in ([], [("authorization", "Bearer tok-")], [("authorization", "Basic tok-a")],
+               [("authorization", "Bearer # comment")], [("x-token", "tok-a")]):
+        with pytest.raises(RpcError) as ei:
+            generate(r, ok, Context(metadata=md))
+        assert ei.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert not any(v.split()[-1] in ei.value.details for _, v in md)  # what was sent is not echoed
+        for rpc, msg in ((r.GetStats, specd_pb2.StatsRequest()), (r.GetLoad, specd_pb2.LoadRequest()),
+                         (r.ListModels, specd_pb2.ListModelsRequest()),
+                         (r.Abort, specd_pb2.AbortRequest(request_ids=["x"]))):
+            ctx = Context(metadata=md)
+            asyncio.run(rpc(msg, ctx))
+            assert ctx.code == grpc.StatusCode.UNAUTHENTICATED, rpc.__name__
+    monkeypatch.delenv("SPECD_TEST_TOKENS")
+    with pytest.raises(ValueError, match="SPECD_TEST_TOKENS"):  # a named source that is missing
+        Router({**CONFIG, "auth": {"tokens_env": "SPECD_TEST_TOKENS"}}, FakeVerifier(eng))
