@@ -308,7 +308,11 @@ class SpecEngine:
         for s in seqs:
             if s.req.draft == AUTO_DRAFT and s.flight is None and s.beam is None:
                 self._reconsider_draft(s)
-        rows = [(s.draft, 0 if self._gated(s) else min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
+        # Beam rows under `gamma: auto` do not speculate: the policy models chains, and a beam pass
+        # goes past its first step only while every beam stays on its draft (rare: measured a loss
+        # here, see specd bench --local --beams). A fixed γ is the request's own choice.
+        rows = [(s.draft, 0 if self._gated(s) or (s.beam is not None and s.req.auto_gamma)
+                 else min(s.req.gamma, self._room(s)), s.req.auto_gamma) for s in seqs]
         gammas = self.policy.choose(rows, self.tree_drafters) if self.policy is not None else [cap for _, cap, _ in rows]
         shadow = [False] * len(seqs)
         if self.policy is not None:
@@ -668,8 +672,8 @@ class SpecEngine:
                 self._keep_hidden(m, hidden[rows[a.origin], [0] + a.nodes])
             new = old[a.origin] + a.tokens
             chain = drafts[b] if b not in parents else []  # the drafter's view of m: old + its chain
-            m.draft_keep = min(m.draft_keep + len(chain), _common_prefix(old[owner[j]] + chain, new))
-            m.hid_sent = min(m.hid_sent, _common_prefix(old[owner[j]], new))
+            m.draft_keep = min(m.draft_keep + len(chain), common_prefix(old[owner[j]] + chain, new))
+            m.hid_sent = min(m.hid_sent, common_prefix(old[owner[j]], new))
             m.tokens = new
         g.members = [mem[o] for o in owner]
         steps = len(adv[0].tokens)
@@ -757,7 +761,8 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
     return kids
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from actors.drafters.base import Drafter, DraftSeq, Proposal
+from actors.engine import common_prefix
 from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
 
 # --------------------------------------------------------------------------------- measurement
@@ -104,7 +105,9 @@ class Lab:
         self.built = build_engine(model, {d: d for d in drafts}, dtype, max_batch=8, max_len=1024)
         self.eng = self.built.engine
         self.drafts = drafts
-        self.progress = progress
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc="specd lab", unit=" tok", disable=not progress)  # every token the study generates
 
     def run(self, draft: str | None, gamma, prompts: list[list[int]] | None = None, batch: int = 1, **spec) -> dict:
         """Generate every prompt (greedy unless spec says otherwise), `batch` at a time; totals."""
@@ -119,6 +122,7 @@ class Lab:
                 total += len(c.token_ids)
                 stats.add(c.stats)
                 outs.append(c.token_ids)
+                self.bar.update(len(c.token_ids))
         secs = time.perf_counter() - t0
         return {"tokens": total, "seconds": secs, "tokens_per_s": total / secs, "outputs": outs,
                 "acceptance_rate": stats.acceptance_rate, "draft_tokens": stats.draft_tokens,
@@ -262,7 +266,7 @@ class Lab:
         rows = {}
         for rule in rules:
             r = ref if rule == "lossless" else self.run(draft, 4, sampling=dict(sampling), acceptance=rule)
-            agree = [_prefix(a, b) / max(1, max(len(a), len(b))) for a, b in zip(r["outputs"], ref["outputs"])]
+            agree = [common_prefix(a, b) / max(1, max(len(a), len(b))) for a, b in zip(r["outputs"], ref["outputs"])]
             rows[rule] = {"tokens_per_s": r["tokens_per_s"], "speedup_vs_lossless": r["tokens_per_s"] / ref["tokens_per_s"],
                           "nll": self._nll(r["outputs"]), "agreement_with_lossless": sum(agree) / len(agree),
                           "acceptance_rate": r["acceptance_rate"]}
@@ -313,15 +317,6 @@ class Lab:
 def _combine(runs) -> dict:
     runs = list(runs)
     return {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)}
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def distill_reports(root: Path) -> dict:

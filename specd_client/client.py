@@ -275,36 +275,24 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         req.messages.SetInParent()  # selects the oneof even for an empty list (server rejects it)
         req.messages.messages.extend(_chat_message(m) for m in messages)
     s = req.sampling
-    if max_tokens is not None:
-        s.max_tokens = max_tokens
-    if temperature is not None:
-        s.temperature = temperature
-    if top_p is not None:
-        s.top_p = top_p
     s.top_k = top_k or 0
-    if seed is not None:
-        s.seed = seed
     if stop is not None:
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    if num_beams is not None:
-        s.num_beams = num_beams
-    if length_penalty is not None:
-        s.length_penalty = length_penalty
-    if early_stopping is not None:
-        s.early_stopping = early_stopping
-    req.speculation.draft = draft or ""
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),
+                        ("num_beams", num_beams), ("length_penalty", length_penalty),
+                        ("early_stopping", early_stopping)):
+        if value is not None:  # an optional field: set = sent, None = the server's default
+            setattr(s, name, value)
+    sp = req.speculation
+    sp.draft = draft or ""
     if gamma == "auto":
-        req.speculation.gamma_auto = True
+        sp.gamma_auto = True
     elif gamma is not None:
-        req.speculation.gamma = gamma
-    if tree is not None:
-        req.speculation.tree = tree
-    if threshold is not None:
-        req.speculation.threshold = threshold
-    if entropy_gate is not None:
-        req.speculation.entropy_gate = entropy_gate
-    if acceptance is not None:
-        req.speculation.acceptance = acceptance
+        sp.gamma = gamma
+    for name, value in (("tree", tree), ("threshold", threshold), ("entropy_gate", entropy_gate),
+                        ("acceptance", acceptance)):
+        if value is not None:
+            setattr(sp, name, value)
     return req
 
 

@@ -202,3 +202,12 @@ def test_bench_beams_reports_speed_equality_and_kv(tmp_path):
     assert rows["hf"]["hf_cache_reorder_positions"] > rows["engine"]["kv_positions_copied_at_forks"]
     assert rep["kv"]["reserved_per_request_mib"]["2"] > 0
     assert out.with_name("bench_beams.txt").read_text().count("engine+ngram") == 1
+
+
+def test_beams_under_gamma_auto_do_not_speculate(tiny_engine, refs):
+    """`gamma: auto` never drafts for beams (measured a loss: a pass rarely takes a second beam
+    step); an explicit γ still does. Both return HF's hypothesis."""
+    auto, fixed = tiny_engine.generate([beam_request("a", PROMPTS[0], 2, "ngram", "auto"),
+                                        beam_request("f", PROMPTS[0], 2, "ngram", 4)])
+    assert auto.token_ids == fixed.token_ids == refs[2][0]
+    assert auto.stats.draft_tokens == 0 and fixed.stats.draft_tokens > 0
