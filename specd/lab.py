@@ -1,6 +1,6 @@
 """`specd lab`: the seed's claims about speculative decoding, measured on your own target and drafts.
 
-    specd lab [--model smollm2] [--out out/lab]      about 20 minutes here
+    specd lab [--model smollm2] [--out out/lab]      45 min or more here (--limit, --max-tokens shorten it)
     specd lab --quick                                 the tiny model, under a minute (run by make test)
 
 One bounded study; every claim gets a table, a figure where a curve says more, a verdict computed
