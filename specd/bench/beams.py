@@ -45,9 +45,8 @@ def run_beams(model: str = "smollm2", beams=(2, 4), drafts=("ngram", "default"),
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
     eos = sorted(target.eos_token_ids)
-    cfg = hf.config
-    kv_bytes_per_position = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
-                             * (cfg.hidden_size // cfg.num_attention_heads) * eng.cache.k.element_size())
+    k = eng.cache.k  # [layers, slots, max_len, kv heads, head dim]: K and V per position, every layer
+    kv_bytes_per_position = 2 * k.shape[0] * k.shape[3] * k.shape[4] * k.element_size()
 
     configs = [("hf", None, 0, None), ("engine", "none", 0, None)]
     for spec in drafts:
