@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab tune gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench-beams: $(STAMP)
 # the seed's claims measured on the embedded target (specd/lab.py; 45 min or more here at the defaults)
 lab: $(STAMP)
 	$(BIN)/specd lab --out out/lab
+
+# this machine's profile for the embedded target with n-gram and the default draft (specd/tune.py): pass costs,
+# acceptance per position, predicted best γ per batch size checked by a sweep; gamma 'auto' then uses it
+tune: $(STAMP)
+	$(BIN)/specd tune --out out/tune
 
 # The engine on a GPU (specd/gpu_check.py): needs only actors/ and the machine's own Python with
 # PyTorch and transformers (no Ray, no pydantic, no venv). DEVICE=cpu is the dry run.

@@ -22,6 +22,7 @@ from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from .llama import LlamaRunner
 from .models import LoadedModel, check_draft_compatible, load_model, resolve_device, vocab_fingerprint
+from .tune_profile import matching
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
 DEFAULT_DRAFT_ROOT = Path(__file__).parent / "default_drafts"
@@ -156,11 +157,15 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
                  extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
-                 compile: bool = False) -> Built:
+                 compile: bool = False, tune_profile: str | None = None) -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
     one), "cpu", "cuda" or "cuda:N"; compile: torch.compile the target's layer math (opt-in).
+    tune_profile: a `specd tune` profile file or directory, searched besides the profile store;
+    where a profile matches this hardware, target, dtype and a draft spec, the speculation policy
+    starts that drafter from its acceptance and draft cost and reads the pass cost from it
+    instead of the load-time calibration (`tune_profile.py`).
     The rest as `SpecEngine` takes them."""
     device = resolve_device(device)
     target, cost, dt, why = load_target(model, dtype, max_batch, device)
@@ -175,9 +180,16 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     runner = LlamaRunner(target.model)
     if compile:
         runner.compile()
+    hw = hardware(device)
+    profiles = matching(hw, target.name, dt, {n: s for n, s in named.items() if n in drafters}, tune_profile)
+    if profiles:
+        cost = max(profiles.values(), key=lambda p: p.created_at).pass_cost
     engine = SpecEngine(runner, drafters, tokenizer=target.tokenizer,
                         eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
                         seq_id_base=seq_id_base, pipeline=pipeline, prefill_chunk=prefill_chunk,
                         default_gamma=default_gamma, pass_cost=cost)
-    engine.info.update(dtype=dt, dtype_reason=why, hardware=hardware(device))
+    for name, prof in profiles.items():
+        engine.policy.set_prior(name, prof.prior())
+    engine.info.update(dtype=dt, dtype_reason=why, hardware=hw,
+                       tune_profiles={name: prof.path for name, prof in profiles.items()})
     return Built(engine, target, drafters, dt, why)

@@ -117,13 +117,13 @@ class PassCost:
         return cls({(b, t): s for b, t, s in d["points"]}, d.get("dtype", ""), d.get("meta", {}))
 
 
-def grid(max_batch: int, tokens: tuple[int, ...] = TOKENS) -> list[tuple[int, int]]:
-    """The (B, T) points measured: B up to max_batch, T in `tokens`, B·T at most MAX_GRID_TOKENS
+def grid(max_batch: int, tokens: tuple[int, ...] = TOKENS, cap: int = MAX_GRID_TOKENS) -> list[tuple[int, int]]:
+    """The (B, T) points measured: B up to max_batch, T in `tokens`, B·T at most `cap`
     (every B keeps at least two T, so each row of the grid has a slope)."""
     bs = sorted({b for b in BATCHES if b < max_batch} | {max_batch})
     pts = []
     for b in bs:
-        ts = [t for t in tokens if b * t <= MAX_GRID_TOKENS] or [tokens[0]]
+        ts = [t for t in tokens if b * t <= cap] or [tokens[0]]
         if len(ts) < 2 and len(tokens) > 1:
             ts = list(tokens[:2])
         pts += [(b, t) for t in ts]
@@ -131,9 +131,9 @@ def grid(max_batch: int, tokens: tuple[int, ...] = TOKENS) -> list[tuple[int, in
 
 
 def measure(runner, max_batch: int, reps: int = 2, context: int = CONTEXT, progress=None,
-            tokens: tuple[int, ...] = TOKENS) -> PassCost:
+            tokens: tuple[int, ...] = TOKENS, cap: int = MAX_GRID_TOKENS) -> PassCost:
     """Time the runner over the grid (min of `reps` interleaved runs, after one warm-up pass)."""
-    points = grid(max_batch, tokens)
+    points = grid(max_batch, tokens, cap)
     rows = max(b for b, _ in points)
     cache = runner.new_cache(rows, context + max(tokens) + 1)
     dev = runner.device
@@ -197,17 +197,18 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
 
 
 def draft_step_seconds(drafter, context: list[int], hidden: torch.Tensor | None = None, reps: int = 15,
-                       seq_id: int = -1) -> float:
+                       seq_id: int = -1, rows: int = 1) -> float:
     """Median seconds of one draft step, measured through `Drafter.propose` alone: each call
     rolls the view back by one token and re-feeds it (the same catch-up every time), so
     (propose γ=3 − propose γ=1) / 2 is the marginal cost of one drafted token.
-    hidden [len(context) - 1, E]: the target's hidden states, for feature drafters."""
+    hidden [len(context) - 1, E]: the target's hidden states, for feature drafters.
+    rows: sequences drafted together in each call (ids seq_id, seq_id - 1, ...; the same context)."""
     from .drafters.base import DraftSeq
 
     def call(keep: int, new: list[int], gamma: int, h=None) -> float:
         t0 = time.perf_counter()
-        drafter.propose([DraftSeq(seq_id=seq_id, keep=keep, new_tokens=new, gamma=gamma, hidden=h,
-                                  hidden_start=0)])
+        drafter.propose([DraftSeq(seq_id=seq_id - r, keep=keep, new_tokens=new, gamma=gamma, hidden=h,
+                                  hidden_start=0) for r in range(rows)])
         return time.perf_counter() - t0
 
     call(0, list(context), 1, hidden if drafter.wants_hidden else None)
@@ -218,7 +219,8 @@ def draft_step_seconds(drafter, context: list[int], hidden: torch.Tensor | None 
             t1.append(call(n - 1, [context[-1]], 1))
             t3.append(call(n - 1, [context[-1]], 3))
     finally:
-        drafter.release(seq_id)
+        for r in range(rows):
+            drafter.release(seq_id - r)
     med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
     return max(med(t3) - med(t1), 0.0) / 2
 

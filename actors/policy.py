@@ -11,7 +11,10 @@ rows in the pass) and the live acceptance. Each step, for the rows whose γ is `
 (rows are padded to the widest in one pass, hence the max), by coordinate ascent over drafters;
 γ_d = 0 switches speculation off. Rows with a fixed γ keep it and count in the pass width.
 
-Acceptance is estimated per drafter and draft position from verified steps and from *shadow*
+Acceptance is estimated per drafter and draft position, starting from a prior (a cautious
+0.3 per position, or what `specd tune` measured for this drafter on this machine: its profile's
+per-position acceptance and draft cost, whose pass costs then stand in for the load-time
+calibration, see `tune_profile.py`), from verified steps and from *shadow*
 drafts: while a drafter is off, it still proposes now and then without being verified, and its
 proposals are compared with the tokens the target then commits (for a deterministic or coupled
 draft, "the draft equals what the target emitted" is exactly "it would have been accepted").
@@ -36,12 +39,29 @@ from .schema import AUTO_MAX_GAMMA  # the most the policy proposes per step
 
 TREE_BUDGETS = (4, 8, 16)  # token-tree node budgets the policy weighs against chains
 TREE_DEPTH = 6  # the deepest tree it asks for
+TREE_DRAFT_STEPS = 1.5  # drafting a tree of depth d costs about this many times d chain draft steps
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0  # a cautious prior for a position never observed
+# A tune profile's acceptance counts as this many observations per position: more than the cautious
+# prior, so a measured profile can switch speculation on at once, and fewer than the live evidence
+# holds (decayed counts approach 1 / decay = 50), so the live acceptance overrides it within a few
+# dozen steps where the workload differs from the calibration prompts.
+PROFILE_WEIGHT = 16.0
 Z = 1.0  # one standard error below the estimate: thin evidence does not switch speculation on
 
 
 @dataclass
+class DraftPrior:
+    """What is known of a drafter before any live evidence (from a `specd tune` profile)."""
+    accept: list[float]  # per draft position: P(accepted | every earlier draft accepted)
+    step_s: float | None = None  # seconds per drafted position per step
+    tree: dict[int, float] = field(default_factory=dict)  # tree budget -> mean accepted path length
+    weight: float = PROFILE_WEIGHT  # observations the acceptance (and each tree's) counts as
+
+
+@dataclass
 class DrafterEstimate:
+    prior: list[float] = field(default_factory=lambda: [PRIOR_ACCEPT] * AUTO_MAX_GAMMA)  # P(accept j | j reached)
+    prior_weight: float = PRIOR_WEIGHT
     acc: list[float] = field(default_factory=lambda: [0.0] * AUTO_MAX_GAMMA)  # accepted at j (decayed)
     seen: list[float] = field(default_factory=lambda: [0.0] * AUTO_MAX_GAMMA)  # reached position j (decayed)
     step_s: float | None = None  # seconds per drafted position per step (EMA); None: not measured yet
@@ -56,8 +76,8 @@ class DrafterEstimate:
 
     def conditional(self, j: int, lcb: bool) -> float:
         """P(accept position j | positions < j accepted): decayed counts with a prior."""
-        n = self.seen[j] + PRIOR_WEIGHT
-        p = (self.acc[j] + PRIOR_ACCEPT * PRIOR_WEIGHT) / n
+        n = self.seen[j] + self.prior_weight
+        p = (self.acc[j] + self.prior[j] * self.prior_weight) / n
         return max(0.0, p - Z * math.sqrt(p * (1 - p) / n)) if lcb else p
 
     def accept_curve(self, lcb: bool = True) -> list[float]:
@@ -71,15 +91,29 @@ class DrafterEstimate:
 
 class SpeculationPolicy:
     def __init__(self, cost: PassCost, decay: float = 0.02, shadow_budget: float = 0.02):
-        """decay: weight lost per observation by older evidence (tracks a changing context);
+        """cost: the target's pass cost (a tune profile's, else the load-time calibration);
+        decay: weight lost per observation by older evidence (tracks a changing context);
         shadow_budget: share of the step time a model drafter may spend on shadow drafts."""
         self.cost, self.decay, self.shadow_budget = cost, decay, shadow_budget
+        self.priors: dict[str, DraftPrior] = {}  # drafters without one start from PRIOR_ACCEPT
         self.est: dict[str, DrafterEstimate] = {}
         self.scale = 1.0  # measured / calibrated pass time (EMA): the machine may be busier now
         self.last_pass_s = cost(1, 1)
 
+    def set_prior(self, drafter: str, prior: DraftPrior) -> None:
+        """Start `drafter` from what a tune profile measured (its estimate so far is dropped)."""
+        self.priors[drafter] = prior
+        self.est.pop(drafter, None)
+
     def estimate(self, drafter: str) -> DrafterEstimate:
-        return self.est.setdefault(drafter, DrafterEstimate())
+        if drafter not in self.est:
+            e = self.est[drafter] = DrafterEstimate()
+            prior = self.priors.get(drafter)
+            if prior is not None:  # positions the profile did not measure keep the cautious prior
+                e.prior = (list(prior.accept) + e.prior)[:AUTO_MAX_GAMMA]
+                e.prior_weight, e.step_s = prior.weight, prior.step_s
+                e.tree_len = {b: (length * prior.weight, prior.weight) for b, length in prior.tree.items()}
+        return self.est[drafter]
 
     # ---- choosing ------------------------------------------------------------------------------
     def tree_for(self, drafter: str) -> int:
@@ -139,7 +173,7 @@ class SpeculationPolicy:
             for budget in TREE_BUDGETS:
                 tokens = other_tokens + n_rows * self._tree_tokens(e, budget, depth)
                 secs = (self.scale * self.cost(B, 1 + max(others + [budget])) + other_draft
-                        + 1.5 * depth * (e.step_s or 0.0))
+                        + TREE_DRAFT_STEPS * depth * (e.step_s or 0.0))
                 if tokens / secs > best * 1.02:  # a tree must pay clearly: it costs more to draft
                     best, chosen_tree[d] = tokens / secs, budget
                     g[d] = depth
@@ -224,7 +258,7 @@ class SpeculationPolicy:
 
     # ---- reporting -----------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"pass_scale": self.scale, "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in
+        return {"pass_scale": self.scale, "profiled_drafters": sorted(self.priors), "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in
                                                            sorted(self.cost.points.items())},
                 "drafters": {d: {"gamma": e.gamma, "speculated_share": e.steps_on / e.steps if e.steps else 0.0,
                                  "steps": e.steps, "speculated_steps": e.steps_on, "accept_curve": [round(x, 3) for x in e.accept_curve(False)[:4]],

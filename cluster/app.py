@@ -1,6 +1,7 @@
 """Build the Serve application from a ClusterConfig.
 
-    Router (gRPC ingress) -> VerifierServer (large pool) -> DraftDeployment per remote draft (small pool)
+    Router (gRPC ingress, and the OpenAI-compatible HTTP API as its Serve ingress app)
+        -> VerifierServer (large pool) -> DraftDeployment per remote draft (small pool)
 
 `app_builder` is the import path `serve run` / `serve deploy` accept:
     serve run cluster.app:app_builder config=cluster/configs/local.yaml
@@ -19,6 +20,7 @@ from actors.drafters.base import DraftSeq
 
 from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
 from .draft_server import DraftServer
+from .metrics import DraftMetrics
 from .router import Router
 from .serve import node_id, replica_id
 from .verifier import VerifierServer
@@ -43,7 +45,8 @@ class DraftDeployment:
     (several verifiers, or a pipelining one) into one drafter batch, run off the event loop."""
 
     def __init__(self, model: str, dtype: str, spec: str, max_batch: int, max_len: int, torch_threads: int = 1,
-                 lease_s: float = 600.0, overlap: bool = False, branches: int = 3, device: str = "auto"):
+                 lease_s: float = 600.0, overlap: bool = False, branches: int = 3, device: str = "auto",
+                 name: str | None = None):
         from actors.build import load_target, make_drafter
 
         torch.set_num_threads(torch_threads)
@@ -51,6 +54,11 @@ class DraftDeployment:
         self.core = DraftServer(make_drafter(spec, target, max_batch, max_len), replica_id(), lease_s,
                                 overlap=overlap, branches=branches)
         self.node = node_id()
+        self.metrics = DraftMetrics(name or spec, kv=self._kv)
+
+    def _kv(self) -> tuple[int, int]:
+        st = self.core.stats()
+        return st["kv_slots_in_use"], st["kv_slots_total"]
 
     @serve.batch(max_batch_size=DRAFT_BATCH, batch_wait_timeout_s=0.0)
     async def propose(self, calls: list[list[DraftSeq]]) -> list[dict]:
@@ -75,13 +83,15 @@ def build_app(cfg: ClusterConfig):
                        request_router_config=RequestRouterConfig(
                            request_router_class="cluster.routing.PinnedRouter")))
         drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads,
-                                  d.lease_s, d.overlap, d.overlap_branches, cfg.device)
+                                  d.lease_s, d.overlap, d.overlap_branches, cfg.device, d.name)
     verifier = serve.deployment(VerifierServer).options(
         **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls
                    request_router_config=RequestRouterConfig(request_router_class="cluster.routing.PinnedRouter"))
     ).bind(raw, drafts)
-    router = serve.deployment(Router).options(
+    # Serve's late-bound ingress: the replica builds its FastAPI app (Router.__serve_build_asgi_app__)
+    # once constructed; gRPC calls still reach the RPC methods by name.
+    router = serve.deployment(serve.ingress()(Router)).options(
         **_options(cfg.router, "Router", max_ongoing_requests=cfg.router.max_queue * 2)
     ).bind(raw, verifier, drafts)
     return router

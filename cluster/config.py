@@ -121,6 +121,10 @@ class VerifierConfig(DeploymentSpec):
     compile: bool = Field(False, description="torch.compile the target's layer math (cached on disk; opt-in)")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "
                                "prefill: running streams keep decoding while a long prompt is admitted)")
+    tune_profile: str | None = Field(None, description="a `specd tune` profile file (or a directory of them) "
+                                     "for this pool's accelerator: where one matches the replica's hardware, "
+                                     "target, dtype and a draft, gamma 'auto' starts from its acceptance and pass "
+                                     "costs instead of the load-time calibration (else the calibration is used)")
 
 
 class RouterConfig(DeploymentSpec):
@@ -174,7 +178,9 @@ class ClusterConfig(_Strict):
                                                    "verifier's max_batch (never a quantized target)")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
     grpc_port: int = Field(9000, ge=0, le=65535)
-    http_port: int = Field(8000, ge=0, le=65535)
+    http_port: int = Field(8000, ge=0, le=65535, description="Serve's HTTP proxy: the OpenAI-compatible API")
+    metrics_port: int = Field(0, ge=0, le=65535, description="local `specd serve`: where Ray exports Prometheus "
+                              "metrics (0: a free port, see cluster.serve.metrics_endpoints)")
     router: RouterConfig = Field(default_factory=RouterConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     verifier: VerifierConfig = Field(default_factory=lambda: VerifierConfig(

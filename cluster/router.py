@@ -16,6 +16,11 @@ standard grpc.health.v1 service); Serve's gRPC proxy routes to them by the
   (`cluster.routing.PinnedRouter`, which also lets GetStats, GetLoad and Abort reach every
   verifier replica by its id).
 - Access: with `auth` configured, every RPC but the health check needs a bearer token.
+- HTTP: the same router serves the OpenAI-compatible API (`cluster.http`) as its Serve ingress
+  app, through the same validation, admission and coalescing.
+- Failover: a stream whose verifier replica is lost resumes on another from the prompt plus
+  the tokens already streamed (`_pump`).
+- Metrics: latencies per caller, admission rejections, coalesced requests (`cluster.metrics`).
 Does not know: models or KV caches (the verifier's job); it only tokenizes.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 
 import grpc
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.build import draft_kind
 from actors.calibrate import hardware_line
@@ -37,6 +43,7 @@ from actors.text import encode_prompt
 from protos import specd_pb2
 
 from .config import ClusterConfig, draft_deployment_name
+from .metrics import RouterMetrics
 from .wire import delta_to_proto, sampling_from_proto, speculation_from_proto, stats_to_proto
 
 log = logging.getLogger("specd")
@@ -81,6 +88,8 @@ class Router:
     HEALTH_TIMEOUT_S = 2.0  # a verifier that does not answer a health call within this is not serving
     CONTROL_TIMEOUT_S = 5.0  # per replica, for GetStats, GetLoad and Abort
     REPLICAS_TTL_S = 1.0  # how long the controller's list of replicas is reused
+    FAILOVER_ATTEMPTS = 3  # resumptions per request after a lost verifier replica
+    FAILOVER_BACKOFF_S = 0.5  # times the attempt, before resuming
 
     def __init__(self, config: dict, verifier, drafts: dict | None = None):
         from transformers import AutoTokenizer
@@ -103,9 +112,17 @@ class Router:
         self.subscriptions: dict[str, list[_Subscription]] = {}  # caller's request id -> its streams here
         self._replicas_cache: tuple[float, dict[str, list[str]]] = (0.0, {})
         self.admitted = 0
-        self.counters = {"requests_total": 0, "coalesced_total": 0, "rejected_total": 0, "tokens_total": 0}
+        self.counters = {"requests_total": 0, "coalesced_total": 0, "rejected_total": 0, "tokens_total": 0,
+                         "failovers_total": 0}
         self.spec_totals = SpecStats()
         self.started = time.time()
+        self.metrics = RouterMetrics()
+
+    def __serve_build_asgi_app__(self):
+        """The OpenAI-compatible HTTP API over this router (Serve calls it once the replica is built)."""
+        from .http import build_http_app
+
+        return build_http_app(self)
 
     # ---- access control ----------------------------------------------------------------------------
     def _authorize(self, grpc_context) -> None:
@@ -181,14 +198,17 @@ class Router:
             req = await self.validate(req_pb)
         except ValueError as e:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        draft = req.speculation.draft
         key = self._coalesce_key(req) if self.cfg.router.coalesce else None
         gen = self.inflight.get(key) if key is not None else None
         coalesced = gen is not None
         if coalesced:
             self.counters["coalesced_total"] += 1
+            self.metrics.coalesced.inc(1, {"draft": draft})
         else:
             if self.admitted >= self.cfg.router.max_queue:
                 self.counters["rejected_total"] += 1
+                self.metrics.rejected.inc(1, {"draft": draft})
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server at capacity: {self.admitted} requests in flight "
                                f"(router.max_queue = {self.cfg.router.max_queue}); retry later")
@@ -201,15 +221,19 @@ class Router:
         gen.subscribers += 1
         sub = _Subscription(gen)
         self.subscriptions.setdefault(req.request_id, []).append(sub)
+        timer = self.metrics.timer(draft)
         sent = 0
         try:
             while True:
                 while sent < len(gen.chunks) and not sub.aborted:
+                    timer.sent(gen.chunks[sent])
                     yield gen.chunks[sent], coalesced
                     sent += 1
                 if sub.aborted:  # this caller only: a coalesced generation goes on for the others
-                    yield Delta(req.request_id, [], "", finish_reason="abort", prompt_tokens=len(req.prompt_ids),
-                                completion_tokens=sum(len(c.token_ids) for c in gen.chunks[:sent])), coalesced
+                    end = Delta(req.request_id, [], "", finish_reason="abort", prompt_tokens=len(req.prompt_ids),
+                                completion_tokens=sum(len(c.token_ids) for c in gen.chunks[:sent]))
+                    timer.sent(end)
+                    yield end, coalesced
                     return
                 if gen.error is not None:
                     raise gen.error
@@ -228,18 +252,51 @@ class Router:
                 gen.task.cancel()  # last caller left: stop the generation, free its KV
 
     async def _pump(self, gen: _Generation, req: Request, timeout_s: float | None, key: str | None) -> None:
+        """Run `req` on a verifier replica, appending its deltas to `gen`. When the replica is lost
+        mid-stream, resume on another: the prompt plus every token streamed so far, for the
+        tokens still owed (`_resume`), so the caller's stream goes on with no token lost or
+        repeated. Greedy output is unchanged, and so is a seeded sampled one (its noise is keyed by
+        seed and absolute position, not by the replica). Beams cannot resume mid-search (their
+        hypotheses lived on the lost replica): they fail over only before their first token."""
         self.admitted += 1
-        stream = self.verifier.options(stream=True).generate.remote(req, timeout_s)
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        streamed: list[int] = []  # committed tokens the callers have been sent
+        attempt, current, before = 0, req, 0  # before: tokens streamed before `current` started
         try:
-            async for delta in stream:
-                gen.chunks.append(delta)
-                gen.changed.set()
-                if delta.finished:
-                    self.counters["tokens_total"] += delta.completion_tokens
-                    if delta.stats is not None:
-                        self.spec_totals.add(delta.stats)
+            while True:
+                left = timeout_s if deadline is None or attempt == 0 else max(deadline - time.monotonic(), 1e-3)
+                stream = self.verifier.options(stream=True).generate.remote(current, left)
+                try:
+                    async for delta in stream:
+                        if delta.finished and current is not req:  # usage of the whole request
+                            delta = replace(delta, prompt_tokens=len(req.prompt_ids),
+                                            completion_tokens=before + delta.completion_tokens)
+                        streamed += delta.token_ids
+                        gen.chunks.append(delta)
+                        gen.changed.set()
+                        if delta.finished:
+                            self.counters["tokens_total"] += delta.completion_tokens
+                            if delta.stats is not None:
+                                self.spec_totals.add(delta.stats)
+                    return
+                except asyncio.CancelledError:
+                    stream.cancel()
+                    raise
+                except (RayActorError, ActorUnavailableError) as e:
+                    if attempt >= self.FAILOVER_ATTEMPTS or (streamed and req.sampling.num_beams > 1):
+                        raise
+                    if len(streamed) >= req.sampling.max_tokens:  # lost between its last tokens and the end
+                        gen.chunks.append(Delta(req.request_id, [], "", finish_reason="length",
+                                                prompt_tokens=len(req.prompt_ids), completion_tokens=len(streamed)))
+                        self.counters["tokens_total"] += len(streamed)
+                        return
+                    attempt += 1
+                    self.counters["failovers_total"] += 1
+                    log.warning("verifier replica lost mid-stream for %r after %d tokens (%s); resuming on "
+                                "another, attempt %d", req.request_id, len(streamed), type(e).__name__, attempt)
+                    await asyncio.sleep(self.FAILOVER_BACKOFF_S * attempt)  # the controller notices the loss
+                    current, before = self._resume(req, streamed), len(streamed)
         except asyncio.CancelledError:
-            stream.cancel()
             raise
         except Exception as e:  # surfaced to every subscriber
             gen.error = e
@@ -249,6 +306,18 @@ class Router:
             self.admitted -= 1
             if key is not None and self.inflight.get(key) is gen:
                 del self.inflight[key]
+
+    @staticmethod
+    def _resume(req: Request, streamed: list[int]) -> Request:
+        """`req` continued after `streamed`: those tokens join the prompt and count against max_tokens.
+        Known limits: text the lost replica held back (a partial UTF-8 character, a possible
+        stop-string prefix) is not re-sent, though its tokens are; a stop string spanning the
+        resume point is not matched; the final speculation stats cover the resumed part only."""
+        if not streamed:
+            return req
+        s = req.sampling
+        return replace(req, prompt_ids=req.prompt_ids + streamed,
+                       sampling=replace(s, max_tokens=s.max_tokens - len(streamed)))
 
     @staticmethod
     def _error(grpc_context, e: BaseException) -> None:
@@ -426,15 +495,17 @@ class Router:
                 grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
                 grpc_context.set_details(f"unknown service {request.service!r}; known: {list(HEALTH_SERVICES)}")
             return health_pb2.HealthCheckResponse()
+        S = health_pb2.HealthCheckResponse
+        status = S.SERVING if await self.serving() else S.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def serving(self) -> bool:
+        """Whether a verifier replica is running (its models loaded): the health check's answer."""
         ids = await self._replica_ids()
         if ids:  # the controller's view: a replica is RUNNING once its models have loaded
-            up = bool(ids.get("Verifier"))
-        else:  # no controller to ask: whether a verifier answers (a call waits while none has loaded)
-            try:
-                await asyncio.wait_for(self.verifier.check_health.remote(), timeout=self.HEALTH_TIMEOUT_S)
-                up = True
-            except Exception:
-                up = False
-        S = health_pb2.HealthCheckResponse
-        status = S.SERVING if up else S.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+            return bool(ids.get("Verifier"))
+        try:  # no controller to ask: whether a verifier answers (a call waits while none has loaded)
+            await asyncio.wait_for(self.verifier.check_health.remote(), timeout=self.HEALTH_TIMEOUT_S)
+            return True
+        except Exception:
+            return False

@@ -1,8 +1,10 @@
-"""Start (or join) Ray, deploy the application, and report the gRPC address.
+"""Start (or join) Ray, deploy the application, and report its addresses.
 
 Locally `start` declares the custom resources that stand for the accelerator pools
-(`small_accel` for drafts, `large_accel` for verifiers); with `address` it joins an
-existing cluster (KubeRay), whose nodes declare real accelerators.
+(`small_accel` for drafts, `large_accel` for verifiers) and exports Prometheus metrics on
+`metrics_port` (0: a free port Ray picks); with `address` it joins an existing cluster
+(KubeRay), whose nodes declare real accelerators. `http_address` and `metrics_endpoints`
+report where the OpenAI-compatible API and each node's metrics are.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def start(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None =
             # Logical CPUs: replicas ask for num_cpus=0 by default, so a 2-core machine fits them all.
             # address="local": always a new local cluster, never one a stale session file points at.
             ray.init(address="local", num_cpus=num_cpus or 8, resources=resources or dict(POOLS),
-                     include_dashboard=False, log_to_driver=False)
+                     include_dashboard=False, log_to_driver=False, _metrics_export_port=cfg.metrics_port or None)
     grpc_port = cfg.grpc_port or free_port()
     http_port = cfg.http_port or free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port},
@@ -45,6 +47,24 @@ def start(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None =
                 proxy_location="HeadOnly")
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
     return f"127.0.0.1:{grpc_port}"
+
+
+def http_address() -> str:
+    """"HOST:PORT" of the running Serve instance's HTTP proxy (the OpenAI-compatible API lives
+    under the app's route_prefix there). Needs a connection to Ray."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    opts = ray.get(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE).get_http_config.remote())
+    return f"{opts.host}:{opts.port}"
+
+
+def metrics_endpoints() -> list[str]:
+    """Every live node's Prometheus endpoint, "http://HOST:PORT/metrics" (what KubeRay scrapes;
+    each node's replicas export there). Needs a connection to Ray."""
+    import ray
+
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes() if n["Alive"]]
 
 
 def node_id() -> str:

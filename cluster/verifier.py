@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import threading
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from actors.build import build_engine, spec_wants_hidden
-from actors.schema import Delta, Request
+from actors.schema import AUTO_DRAFT, NO_DRAFT, Delta, Request
 
 from .config import ClusterConfig
 from .draft_server import RemoteDrafter
+from .metrics import GAUGE_REFRESH_S, VerifierMetrics
 from .serve import node_id, replica_id
 
 log = logging.getLogger("specd")
@@ -58,7 +60,7 @@ class VerifierServer:
                   for name, handle in (draft_handles or {}).items()}
         built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
                              device=cfg.device, compile=v.compile, extra_drafters=remote, pipeline=v.pipeline,
-                             prefill_chunk=v.prefill_chunk,
+                             prefill_chunk=v.prefill_chunk, tune_profile=v.tune_profile,
                              default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
@@ -71,6 +73,9 @@ class VerifierServer:
         # (drafted, accepted) tokens, cumulative, after each of the last RECENT steps: GetLoad's
         # recent acceptance is the rate between the oldest and the newest
         self.recent: deque[tuple[int, int]] = deque([(0, 0)], maxlen=self.RECENT + 1)
+        self.draft_labels = [NO_DRAFT, AUTO_DRAFT, *(d.name for d in cfg.drafts)]
+        self.metrics = VerifierMetrics(self.engine.info["dtype"])
+        self._export_load()
         self._thread = threading.Thread(target=self._loop, name="specd-batcher", daemon=True)
         self._thread.start()
 
@@ -111,18 +116,22 @@ class VerifierServer:
         "abort" and its KV is freed. Returns the ids found."""
         return await self._on_batcher("abort_ids", set(request_ids))
 
+    def _colocated_kv(self) -> dict:
+        """Colocated drafts that hold KV here: name -> (sequences, slots)."""
+        return {name: (d.num_active(), d.num_active() + d.free_capacity()) for name, d in self.engine.drafters.items()
+                if not isinstance(d, RemoteDrafter) and d.free_capacity() is not None}
+
     async def load(self) -> dict:
         eng = self.engine
         (d0, a0), (d1, a1) = self.recent[0], self.recent[-1]
         return {"replica_id": self.replica, "running": len(eng.active), "waiting": eng.num_waiting(),
                 "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch,
-                "draft_kv_slots_in_use": sum(d.num_active() for d in eng.drafters.values()
-                                             if not isinstance(d, RemoteDrafter) and d.free_capacity() is not None),
+                "draft_kv_slots_in_use": sum(used for used, _ in self._colocated_kv().values()),
                 "recent_acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0}
 
     async def stats(self) -> dict:
         eng = self.engine
-        return {"replica_id": self.replica, "role": "verifier", "node_id": self.node,
+        return {"replica_id": self.replica, "role": "verifier", "node_id": self.node, "pid": os.getpid(),
                 "active_sequences": eng.kv_slots_in_use(), "queued": eng.num_waiting(),
                 "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.steps,
                 "spec": eng.stats.to_dict(), "pipeline": eng.pipeline, "batcher": eng.batcher.to_dict(),
@@ -135,6 +144,21 @@ class VerifierServer:
             raise RuntimeError("the batcher thread died")
 
     # ---- the batcher thread ------------------------------------------------------------------------
+    def _export_load(self) -> None:
+        """Running and waiting requests, and target KV slots, per draft the requests named; the
+        colocated drafts' KV; the policy's γ per draft (to the metrics)."""
+        eng = self.engine
+        running, waiting, slots = dict.fromkeys(self.draft_labels, 0), {}, {}
+        for s in eng.active.values():
+            d = s.req.speculation.draft
+            running[d] = running.get(d, 0) + 1
+            slots[d] = slots.get(d, 0) + (len(s.beam.members) if s.beam is not None else 1)
+        for _, r in eng.waiting:
+            waiting[r.speculation.draft] = waiting.get(r.speculation.draft, 0) + 1
+        draft_kv = {name: used / total for name, (used, total) in self._colocated_kv().items()}
+        gamma = {name: e.gamma for name, e in eng.policy.est.items()} if eng.policy is not None else {}
+        self.metrics.load(running, waiting, slots, eng.max_batch, draft_kv, gamma)
+
     @staticmethod
     def _deliver(t: _Ticket, item) -> None:
         t.loop.call_soon_threadsafe(t.inbox.put_nowait, item)
@@ -175,8 +199,8 @@ class VerifierServer:
         while True:
             block = not eng.has_work()
             try:
-                while True:  # requests join (and leave) at step boundaries
-                    op, arg = self.inbox.get(block=block)
+                while True:  # requests join (and leave) at step boundaries; idle, it wakes to re-send the gauges
+                    op, arg = self.inbox.get(block=block, timeout=GAUGE_REFRESH_S if block else None)
                     block = False
                     try:
                         self._handle(op, arg)
@@ -191,6 +215,7 @@ class VerifierServer:
             for t in [t for t in self.tickets.values() if t.deadline is not None and now > t.deadline]:
                 self._drop(t)
                 self._deliver(t, TimeoutError(f"request {t.request.request_id!r} ran past its deadline"))
+            self._export_load()
             if not eng.has_work():
                 continue
             try:
@@ -213,4 +238,6 @@ class VerifierServer:
                 t.sent += len(delta.token_ids)
                 if delta.finished:
                     del self.tickets[key]
+                    self.metrics.finished(t.request.speculation.draft or NO_DRAFT, delta)  # as the engine resolves it
                 self._deliver(t, delta)
+            self._export_load()

@@ -227,7 +227,7 @@ class DraftPolicy(_message.Message):
     def __init__(self, draft: _Optional[str] = ..., gamma: _Optional[int] = ..., speculated_share: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., speculated_steps: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("requests_total", "requests_active", "requests_queued", "coalesced_total", "rejected_total", "tokens_total", "spec_stats", "replicas", "uptime_seconds")
+    __slots__ = ("requests_total", "requests_active", "requests_queued", "coalesced_total", "rejected_total", "tokens_total", "spec_stats", "replicas", "failovers_total", "uptime_seconds")
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class StatsResponse(_message.Message):
     TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPEC_STATS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     requests_total: int
     requests_active: int
@@ -245,8 +246,9 @@ class StatsResponse(_message.Message):
     tokens_total: int
     spec_stats: SpecStats
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
+    failovers_total: int
     uptime_seconds: float
-    def __init__(self, requests_total: _Optional[int] = ..., requests_active: _Optional[int] = ..., requests_queued: _Optional[int] = ..., coalesced_total: _Optional[int] = ..., rejected_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, requests_total: _Optional[int] = ..., requests_active: _Optional[int] = ..., requests_queued: _Optional[int] = ..., coalesced_total: _Optional[int] = ..., rejected_total: _Optional[int] = ..., tokens_total: _Optional[int] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., failovers_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -13,6 +13,8 @@
   specd lab [--quick]               measure the seed's claims on your target and drafts (out/lab/report.md)
   specd cost BENCH.json --rps R --tokens N
                                     $/1M tokens, J/token, replicas and latency per option and accelerator
+  specd tune [--draft D ...]        measure this machine, predict the best γ per batch size, check it with a
+                                    sweep, store a profile that gamma 'auto' uses (see specd/tune.py)
 Commands that talk to a cluster send $SPECD_TOKEN as the bearer token when it is set.
 """
 from __future__ import annotations
@@ -145,9 +147,11 @@ def _parser() -> argparse.ArgumentParser:
     from .cost import add_parser as add_cost
     from .distill import add_parser as add_distill
     from .lab import add_parser as add_lab
+    from .tune import add_parser as add_tune
     add_distill(sub)
     add_cost(sub)
     add_lab(sub)
+    add_tune(sub)
     return ap
 
 
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
                 "serve": _serve, "distill": _distill, "cost": _cost,
-                "lab": _lab}[args.cmd](args)
+                "lab": _lab, "tune": _tune}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
@@ -164,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _lab(args) -> int:
     from .lab import run
+    return run(args)
+
+
+def _tune(args) -> int:
+    from .tune import run
     return run(args)
 
 

@@ -148,6 +148,7 @@ class Stats:
     spec_stats: dict[str, Any] | None
     replicas: list[ReplicaStats] = field(default_factory=list)
     uptime_seconds: float = 0.0
+    failovers_total: int = 0  # streams resumed on another verifier replica after theirs was lost
 
 
 @dataclass
@@ -220,7 +221,7 @@ def _stats(r: specd_pb2.StatsResponse) -> Stats:
                                                    "acceptance": list(p.acceptance), "steps": p.steps,
                                                    "speculated_steps": p.speculated_steps} for p in x.policy})
                            for x in r.replicas],
-                 uptime_seconds=r.uptime_seconds)
+                 uptime_seconds=r.uptime_seconds, failovers_total=r.failovers_total)
 
 
 def _models(r: specd_pb2.ListModelsResponse) -> ModelsInfo:

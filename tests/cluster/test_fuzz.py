@@ -58,14 +58,16 @@ TINY_DEADLINES = (0.001, 0.01, 0.05, 0.2)
 VOCAB = 512  # the tiny target's vocabulary (actors/models.py)
 MAX_LEN, MAX_TOKENS, DEFAULT_MAX_TOKENS = 512, 256, 8
 DRAFTS = ("ngram", "truncated:2", "remote")
+MAX_QUEUE, DRAFT_SLOTS = 8, 2
 CONFIG = {
     "model": "tiny", "dtype": "fp32", "max_len": MAX_LEN, "grpc_port": 0, "http_port": 0,
-    "router": {"max_queue": 8, "max_tokens": MAX_TOKENS, "default_max_tokens": DEFAULT_MAX_TOKENS,
+    "router": {"max_queue": MAX_QUEUE, "max_tokens": MAX_TOKENS, "default_max_tokens": DEFAULT_MAX_TOKENS,
                "default_draft": "ngram"},
     "verifier": {"max_batch": 4, "resources": {"custom": {"large_accel": 1}}},
     "drafts": [{"name": "ngram", "spec": "ngram", "default_gamma": 3},
                {"name": "truncated:2", "spec": "truncated:2"},  # colocated, gamma auto
-               {"name": "remote", "spec": "truncated:1", "placement": "remote", "max_batch": 4,
+               # two draft slots for the verifier's four: a pool smaller than the load (test_draft_pool_...)
+               {"name": "remote", "spec": "truncated:1", "placement": "remote", "max_batch": DRAFT_SLOTS,
                 "resources": {"custom": {"small_accel": 1}}}]}
 MD = (("application", "specd"),)
 SPEC_FIELDS = set(pb.SpeculationParams.DESCRIPTOR.fields_by_name)
@@ -637,3 +639,52 @@ def test_server_keeps_serving(fuzzed):
         assert time.time() < end, f"KV or requests still held after the fuzz: {st_}"
         time.sleep(0.3)
     assert {x.role for x in st_.replicas} == {"verifier", "draft"}
+
+
+def test_draft_pool_smaller_than_the_load(fuzzed):
+    """Twelve requests at once on the remote draft, whose pool holds DRAFT_SLOTS sequences for the
+    verifier's four KV slots and the router's MAX_QUEUE: the router refuses what it cannot admit
+    (RESOURCE_EXHAUSTED naming router.max_queue), the verifier queues what it cannot seat, rows
+    that find no draft slot run at γ=0 until one frees (the draft replica reports them `full`),
+    and every admitted request still ends with exactly the target's greedy tokens. Nothing
+    raises, and afterwards no KV is held on either side."""
+    import concurrent.futures as cf
+
+    client, stub, reference = fuzzed["client"], fuzzed["stub"], fuzzed["reference"]
+
+    def remote_stats() -> dict:
+        return next(r for r in client.stats().replicas if r.role == "draft")
+
+    prompts = [[20 + i, 21 + i, 22 + i, 23 + i] for i in range(12)]  # distinct: nothing coalesces
+
+    def call(ids):
+        req = pb.GenerateRequest(prompt=" ".join(map(str, ids)), sampling=pb.SamplingParams(max_tokens=96),
+                                 speculation=pb.SpeculationParams(draft="remote", gamma=3))
+        try:
+            return list(stub.Generate(req, metadata=MD, timeout=CALL_TIMEOUT).token_ids)
+        except grpc.RpcError as e:
+            return e
+    verifier = next(r for r in client.stats().replicas if r.role == "verifier")
+    full_before = _full_rows(fuzzed)
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        out = list(ex.map(call, prompts))
+    refused = [o for o in out if isinstance(o, grpc.RpcError)]
+    assert all(e.code() == EXHAUSTED and f"router.max_queue = {MAX_QUEUE}" in e.details() for e in refused), refused
+    assert 0 < len(refused) <= len(prompts) - MAX_QUEUE  # the first MAX_QUEUE always find room
+    for ids, o in zip(prompts, out):
+        if not isinstance(o, grpc.RpcError):
+            assert o == reference(ids, 96)
+    assert _full_rows(fuzzed) > full_before, "no row ever lacked a draft slot: the pool was not the bottleneck"
+    end = time.time() + 30
+    while any(r.kv_slots_in_use for r in client.stats().replicas) and time.time() < end:
+        time.sleep(0.2)
+    assert all(r.kv_slots_in_use == 0 for r in client.stats().replicas)
+    assert verifier.kv_slots_total == 4 and remote_stats().kv_slots_total == DRAFT_SLOTS
+
+
+def _full_rows(fuzzed) -> int:
+    """Rows the verifier sent to the remote draft that found no slot there (it ran them at γ=0)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("Verifier", app_name="specd").stats.remote().result()[
+        "remote_drafts"]["remote"]["full_rows"]

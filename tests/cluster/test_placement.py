@@ -4,14 +4,23 @@ One node carries the small-accelerator resource, one the large. Draft replicas m
 on the first, verifiers only on the second, and a request must still flow through both. Two
 replicas of each: GetStats and GetLoad must report every one, and Abort must reach a stream on
 whichever verifier replica holds it. The cluster requires a bearer token (auth.tokens_file).
-"""
-import time
 
+The same cluster serves the OpenAI-compatible HTTP API (through the official `openai` client)
+and exports Prometheus metrics on every node's metrics port (flushed every second here); a
+second application on it (`specd-chat`, the embedded chat model) serves chat completions.
+"""
+import json
+import re
+import time
+from pathlib import Path
+
+import openai
 import pytest
 import ray
 from ray import serve
 
 from cluster import serve as S
+from cluster.app import build_app
 from cluster.config import ClusterConfig
 from specd_client import SpecdClient
 
@@ -19,20 +28,27 @@ from specd_client import SpecdClient
 TOKEN = "s3cret-token-for-tests-7f1c"
 # greedy continuations of the tiny model that meet no EOS within 600 tokens (as in test_autoscaling)
 LONG_PROMPTS = ["5 6 7 8 9", "11 12 13 14", "100 200 300", "42 43 44 45"]
+DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
 
 
 @pytest.fixture(scope="module")
-def nodes(start_cluster, tmp_path_factory):
+def tokens_file(tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text("# accepted bearer tokens\nanother-token\n" + TOKEN + "\n")
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def nodes(start_cluster, tokens_file):
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "_system_config": {"metrics_report_interval_ms": 1000}})  # metrics flushed every second
     small = c.add_node(num_cpus=2, resources={"small_accel": 2})
     large = c.add_node(num_cpus=2, resources={"large_accel": 2})
     ray.init(address=c.address)
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text("# accepted bearer tokens\nanother-token\n" + TOKEN + "\n")
     cfg = ClusterConfig.model_validate({
-        "auth": {"tokens_file": str(tokens)},
+        "auth": {"tokens_file": str(tokens_file)},
         "model": "tiny", "dtype": "fp32", "grpc_port": 0, "http_port": 0,
         "router": {"max_tokens": 900, "default_max_tokens": 8, "default_draft": "truncated:2"},
         "max_len": 1000,
@@ -172,3 +188,252 @@ def test_bearer_token_is_required_and_never_logged(nodes):
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
     leaked = [p for p in logs.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
     assert not leaked, leaked
+
+
+# ---- the OpenAI-compatible HTTP API ------------------------------------------------------------
+def openai_client(token: str = TOKEN, prefix: str = "/specd") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{S.http_address()}{prefix}/v1", api_key=token, max_retries=0, timeout=120)
+
+
+SPEC = {"draft": "truncated:2", "gamma": 2, "return_token_ids": True}
+
+
+def test_openai_completions_equal_the_grpc_path(nodes):
+    """Completions through the `openai` client, streamed and not, give the tokens the SDK's gRPC
+    call gives (greedy), the finish reason, usage and vLLM-shaped speculation metrics."""
+    addr, _, _ = nodes
+    oa = openai_client()
+    assert [m.id for m in oa.models.list().data] == ["tiny"]
+    with SpecdClient(addr, timeout=60, token=TOKEN) as client:
+        ref = client.generate(prompt="7 8 9 10", max_tokens=12, draft="truncated:2", gamma=2)
+    r = oa.completions.create(model="tiny", prompt="7 8 9 10", max_tokens=12, temperature=0, extra_body=SPEC)
+    choice = r.choices[0]
+    assert choice.token_ids == ref.token_ids and choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (4, 12)
+    m = r.spec_decode_metrics
+    assert (m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"]) == (
+        ref.spec_stats["drafts"], ref.spec_stats["draft_tokens"], ref.spec_stats["accepted_tokens"])
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    assert m["draft_acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
+    assert m["acceptance_rate_per_pos"] == pytest.approx(ref.spec_stats["acceptance_per_position"])
+    chunks = list(oa.completions.create(model="tiny", prompt=[7, 8, 9, 10], max_tokens=12, temperature=0, stream=True,
+                                        extra_body=SPEC))
+    assert [t for c in chunks for t in c.choices[0].token_ids] == ref.token_ids
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].spec_decode_metrics == m
+
+
+def test_openai_errors_have_openai_shape(nodes):
+    """400 names the field and the limit (the router's own validation), an unknown field is
+    refused by name, a wrong bearer token is 401, an unknown model 404."""
+    oa = openai_client()
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="5 6", max_tokens=5000)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == "max_tokens" and "[1, 900]" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="5 6", extra_body={"gamma": 17})
+    assert e.value.body["param"] == "gamma" and "[0, 16]" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="5 6", extra_body={"frobnicate": 1})
+    assert e.value.body["param"] == "frobnicate"
+    for token in ("wrong", TOKEN[:-1]):
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai_client(token).completions.create(model="tiny", prompt="5 6", max_tokens=2)
+        assert set(e.value.body) == {"message", "type", "param", "code"} and "bearer token" in e.value.body["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai_client("wrong").models.list()
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="gpt-4", prompt="5 6", max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def chat_app(nodes, tokens_file):
+    """A second application on the cluster: the embedded chat model (no drafts, no pool resources)."""
+    addr, _, _ = nodes
+    cfg = ClusterConfig.model_validate({
+        "app_name": "specd-chat", "route_prefix": "/chat", "model": "smollm2", "dtype": "fp32", "max_len": 256,
+        "auth": {"tokens_file": str(tokens_file)},
+        "router": {"max_tokens": 32, "default_max_tokens": 8, "max_queue": 1},
+        "verifier": {"max_batch": 2, "resources": {}}, "drafts": []})
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+    with SpecdClient(addr, timeout=120, token=TOKEN, app_name=cfg.app_name) as client:
+        S.wait_serving(client, timeout=180)
+        yield client
+
+
+def test_openai_chat_completions_equal_the_grpc_path(chat_app):
+    """Chat completions, streamed and not: the text and tokens of the SDK's gRPC call (greedy)."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    ref = chat_app.generate(messages=messages, max_tokens=8)
+    oa = openai_client(prefix="/chat")
+    r = oa.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                   extra_body={"return_token_ids": True})
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].token_ids == ref.token_ids and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.spec_decode_metrics["num_drafts"] == 0  # no draft: speculation off
+    chunks = list(oa.chat.completions.create(model="smollm2", messages=messages, max_completion_tokens=8,
+                                             temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_openai_overload_is_429_and_coalescing_applies(chat_app):
+    """The chat app admits one generation (router.max_queue = 1): while a stream runs, an identical
+    greedy request joins it (coalesced: same text), and a different one is refused with 429."""
+    oa = openai_client(prefix="/chat")
+    story = [{"role": "user", "content": "Tell me a long story about a dragon who loves tea."}]
+    ask = dict(model="smollm2", messages=story, max_tokens=32, temperature=0)
+    stream = oa.chat.completions.create(stream=True, **ask)
+    first = next(iter(stream))  # the generation runs on whether or not this client reads
+    with pytest.raises(openai.RateLimitError) as e:
+        oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert e.value.status_code == 429 and "max_queue" in e.value.body["message"]
+    joined = oa.chat.completions.create(**ask)
+    text = first.choices[0].delta.content + "".join(c.choices[0].delta.content or "" for c in stream)
+    assert joined.choices[0].message.content == text and joined.usage.completion_tokens == 32
+
+
+# ---- Prometheus metrics ----------------------------------------------------------------------------
+def scrape() -> list:
+    """Every sample on every node's metrics endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for url in S.metrics_endpoints():
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out += [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    return out
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_count_exactly_what_the_responses_say(nodes):
+    """Requests over HTTP, streamed and not: the verifiers' speculation and token counters (summed
+    over both replicas) move by exactly the sums of the responses' own stats, the router's
+    histograms count each request once, the gauges settle, and every metric the Grafana
+    dashboard queries is in the scrape."""
+    V = {"application": "specd", "deployment": "Verifier", "draft": "truncated:2"}
+    R = {"application": "specd", "deployment": "Router", "draft": "truncated:2"}
+    counters = {"num_drafts": "spec_decode_num_drafts", "num_draft_tokens": "spec_decode_num_draft_tokens",
+                "num_accepted_tokens": "spec_decode_num_accepted_tokens"}
+
+    def counts(samples) -> dict:
+        c = {k: total(samples, f"ray_specd_{name}_total", **V) for k, name in counters.items()}
+        c["generation_tokens"] = total(samples, "ray_specd_generation_tokens_total", **V)
+        for j in range(2):
+            for k, name in (("num_accepted_tokens_per_pos", "accepted_tokens"), ("num_draft_tokens_per_pos", "draft_tokens")):
+                c[k, j] = total(samples, f"ray_specd_spec_decode_num_{name}_per_pos_total", position=str(j), **V)
+        for h in ("time_to_first_token", "e2e_request_latency"):
+            c[h] = total(samples, f"ray_specd_{h}_seconds_count", **R)
+        return c
+    before = counts(scrape())
+    want = dict.fromkeys(before, 0)
+    oa = openai_client()
+    prompts = ["21 22 23", "31 32 33 34", "41 42"]
+    for i, p in enumerate(prompts):
+        if i % 2:
+            m = list(oa.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, stream=True,
+                                           extra_body=SPEC))[-1].spec_decode_metrics
+        else:
+            m = oa.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
+                                      extra_body=SPEC).spec_decode_metrics
+        for k in counters:
+            want[k] += m[k]
+        for j in range(2):
+            want["num_accepted_tokens_per_pos", j] += m["num_accepted_tokens_per_pos"][j]
+            want["num_draft_tokens_per_pos", j] += m["num_draft_tokens_per_pos"][j]
+    n = len(prompts)
+    want.update(generation_tokens=10 * n, time_to_first_token=n, e2e_request_latency=n)
+    assert want["num_accepted_tokens"] > 0 and want["num_draft_tokens_per_pos", 1] > 0
+    end, moved = time.time() + 30, {}
+    while time.time() < end:  # Ray flushes each worker's metrics every second here
+        samples = scrape()
+        moved = {k: v - before[k] for k, v in counts(samples).items()}
+        if moved == want:
+            break
+        time.sleep(0.5)
+    assert moved == want
+
+    # gauges: idle verifiers, both replicas reporting γ and dtype; both draft replicas their KV
+    def series(name: str, app: str = "specd") -> list:
+        return [s for s in samples if s.name == name and s.labels.get("application") == app]
+    running = series("ray_specd_num_requests_running")
+    assert all(s.value == 0 for s in running) and len({s.labels["replica"] for s in running}) == 2
+    assert {(s.labels["replica"], s.labels["draft"]) for s in series("ray_specd_spec_decode_gamma")} == {
+        (r, "truncated:2") for r in {s.labels["replica"] for s in running}}
+    assert [s.labels["dtype"] for s in series("ray_specd_model_dtype_info")] == ["fp32"] * 2
+    draft_kv = series("ray_specd_draft_kv_cache_usage_perc")
+    assert {s.labels["deployment"] for s in draft_kv} == {"Draft-truncated-2"} and len(draft_kv) == 2, [
+        s.labels for s in samples if s.name == "ray_specd_draft_kv_cache_usage_perc"]
+    # the chat application's test refused one request and coalesced another
+    assert total(samples, "ray_specd_admission_rejections_total", application="specd-chat") == 1
+    assert total(samples, "ray_specd_coalesced_requests_total", application="specd-chat") == 1
+
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    queried = {name for e in exprs for name in re.findall(r"\bray_specd_\w+", e)}
+    assert len(queried) >= 15 and queried <= {s.name for s in samples}, queried - {s.name for s in samples}
+
+
+# ---- last: it kills a verifier replica -------------------------------------------------------------
+def test_verifier_replica_killed_mid_stream_resumes_on_the_other(nodes):
+    """Streams on both verifier replicas (three greedy, one seeded sampled); one replica's process
+    is SIGKILLed mid-stream. The router resumes each of its streams on the surviving replica from
+    the prompt plus the tokens already sent: every stream ends with exactly the tokens of an
+    undisturbed run (none lost, none repeated), the usage counts them once, and GetStats counts
+    the failovers. (Without failover the streams on the killed replica fail with an error.)"""
+    import concurrent.futures as cf
+    import os
+    import signal
+    import threading
+
+    addr, _, _ = nodes
+    asks = {f"fo-{i}": dict(prompt=p, max_tokens=160, draft="truncated:2", gamma=2)
+            for i, p in enumerate(LONG_PROMPTS[:3])}
+    asks["fo-seeded"] = dict(prompt=LONG_PROMPTS[3], max_tokens=160, temperature=0.9, seed=11, draft="truncated:2",
+                             gamma=2)
+    with SpecdClient(addr, timeout=120, token=TOKEN) as client:
+        with cf.ThreadPoolExecutor(len(asks)) as ex:  # undisturbed runs
+            ref = dict(zip(asks, ex.map(lambda rid: client.generate(request_id=rid, **asks[rid]).token_ids, asks)))
+        before = client.stats().failovers_total
+        verifier = serve.get_deployment_handle("Verifier", app_name="specd")
+        pids = {}
+        for _ in range(16):
+            st = verifier.stats.remote().result()
+            pids[st["replica_id"]] = st["pid"]
+        assert len(pids) == 2
+        chunks: dict[str, list] = {rid: [] for rid in asks}
+        errors: dict[str, Exception] = {}
+
+        def run(rid):
+            try:
+                for c in client.stream(request_id=rid, **asks[rid]):
+                    chunks[rid].append(c)
+            except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+                errors[rid] = e
+        threads = [threading.Thread(target=run, args=(rid,), daemon=True) for rid in asks]
+        for t in threads:
+            t.start()
+        end = time.time() + 30  # every stream under way, and a replica running some
+        while time.time() < end:
+            victim = max(client.load(), key=lambda x: x.running)
+            if victim.running >= 1 and all(len(c) >= 2 for c in chunks.values()):
+                break
+            time.sleep(0.02)
+        os.kill(pids[victim.replica_id], signal.SIGKILL)
+        assert victim.running >= 1 and all(len(c) >= 2 for c in chunks.values())
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        for rid, want in ref.items():
+            got = [t for c in chunks[rid] for t in c.token_ids]
+            assert got == want, rid
+            assert chunks[rid][-1].finish_reason == "length" and chunks[rid][-1].usage.completion_tokens == len(want)
+        assert client.stats().failovers_total - before >= 1

@@ -1,0 +1,296 @@
+"""The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+A FastAPI app over one `Router` replica, which Serve mounts as that deployment's ingress
+(`Router.__serve_build_asgi_app__`), so the HTTP proxy reaches it under the app's
+`route_prefix` (`http://HOST:PORT/specd/v1/...` by default). A request body becomes the same
+`GenerateRequest` an SDK call builds (`specd_client.build_request`) and goes through the
+router's own streaming core: the same bearer-token check (header `Authorization: Bearer
+<token>`), validation, admission and coalescing as gRPC.
+
+Beside OpenAI's fields (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`; `n` must
+be 1) a body may carry specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
+`threshold`, `entropy_gate`, `acceptance`, `top_k`, `num_beams`, `length_penalty`,
+`early_stopping`, `request_id` (for Abort) and vLLM's `return_token_ids`. Any other field is
+refused, naming it.
+A completions `prompt` is text, or a list of token ids.
+
+The response (or, streamed as server-sent events, the chunk that carries `finish_reason`) holds
+`usage` and `spec_decode_metrics`: vLLM's per-request speculation counters (`num_drafts`,
+`num_draft_tokens`, `num_accepted_tokens`, `num_accepted_tokens_per_pos`) and the rates it
+derives (`mean_acceptance_length` = 1 + accepted / drafts, `draft_acceptance_rate`,
+`acceptance_rate_per_pos`), plus `num_draft_tokens_per_pos` (the per-position denominators).
+Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 (validation;
+the message names the field and the limit, `param` the body field), 401 (bearer token), 404
+(unknown model), 429 (over `router.max_queue`), 503 (no verifier replica running), 500 (with an
+incident id in the router's log). An error after a stream started arrives as a last event with
+that shape, before `data: [DONE]`.
+
+Does not know: tokenization, limits or admission (the router's), or gRPC.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Annotated, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.schema import MAX_GAMMA, MAX_SEED, Delta, SpecStats
+from specd_client import build_request
+
+INT32 = 2 ** 31 - 1
+Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
+TokenId = Annotated[int, Field(ge=0, le=2 ** 32 - 1)]
+
+# gRPC status -> HTTP status, OpenAI error type, OpenAI error code
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "not_ready"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+INTERNAL = (500, "server_error", None)
+# the field a router message starts with (its path in the wire API: "sampling.max_tokens must be ...")
+_PARAM = re.compile(r"^(?:(?:sampling|speculation|token_ids)\.)?(\w+)")
+
+
+class _Body(BaseModel):
+    """What both endpoints accept. Ranges are the router's to check (the schema's messages name
+    them); only what the wire cannot carry is bounded here."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: dict | None = None  # accepted; the finishing chunk always carries the usage
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    user: str | None = None  # accepted, unused
+    # specd's controls
+    top_k: Annotated[int, Field(ge=0, le=INT32)] | None = None
+    num_beams: Annotated[int, Field(ge=0, le=2 ** 32 - 1)] | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+    draft: str | None = None
+    gamma: Int32 | Literal["auto"] | None = None
+    tree: Int32 | None = None
+    threshold: float | None = None
+    entropy_gate: float | None = None
+    acceptance: str | None = None
+    request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice also carries the generated token ids
+
+    def source(self) -> dict:
+        """The input, as `build_request` takes it."""
+        raise NotImplementedError
+
+    def generate_request(self):
+        """The GenerateRequest an SDK call with these fields builds."""
+        return build_request(**self.source(), max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                             top_k=self.top_k, seed=self.seed, stop=self.stop, num_beams=self.num_beams,
+                             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+                             draft=self.draft, gamma=self.gamma, tree=self.tree, threshold=self.threshold,
+                             entropy_gate=self.entropy_gate, acceptance=self.acceptance, request_id=self.request_id)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[TokenId]
+
+    def source(self) -> dict:
+        return {"prompt": self.prompt} if isinstance(self.prompt, str) else {"token_ids": self.prompt}
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[_TextPart]
+    name: str | None = None  # accepted, unused
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(_Body):
+    messages: list[_Message]
+    max_completion_tokens: Int32 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def source(self) -> dict:
+        return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+
+
+class _Call:
+    """What the router's RPC code reads from, and sets on, a gRPC context: one HTTP request's."""
+
+    def __init__(self, request: Request):
+        auth = request.headers.get("authorization")
+        self.metadata = [("authorization", auth)] if auth is not None else []
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+_BODY_FIELDS = {*_Body.model_fields, "prompt", "messages"}
+
+
+def error_body(code: grpc.StatusCode | None, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error object) for a gRPC status and its details; a 400's `param`
+    is the body field the message starts with, unless given."""
+    status, kind, err_code = STATUS.get(code, INTERNAL)
+    if status == 400 and param is None:
+        m = _PARAM.match(message)
+        name = m.group(1) if m else None
+        param = "prompt" if name in ("token_ids", "ids") else name if name in _BODY_FIELDS else None
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": err_code}}
+
+
+def _error(code: grpc.StatusCode | None, message: str, param: str | None = None) -> JSONResponse:
+    status, body = error_body(code, message, param)
+    return JSONResponse(body, status_code=status)
+
+
+def spec_decode_metrics(st: SpecStats | None) -> dict:
+    """One request's speculation counters and rates, in vLLM's names."""
+    st = st or SpecStats()
+    n = sum(1 for j in range(MAX_GAMMA) if st.drafted_per_pos[j])  # drafted positions: a prefix
+    return {"num_drafts": st.drafts, "num_draft_tokens": st.draft_tokens, "num_accepted_tokens": st.accepted_tokens,
+            "num_accepted_tokens_per_pos": st.accepted_per_pos[:n], "num_draft_tokens_per_pos": st.drafted_per_pos[:n],
+            "mean_acceptance_length": st.mean_accepted_length, "draft_acceptance_rate": st.acceptance_rate,
+            "acceptance_rate_per_pos": st.per_position()}
+
+
+def _final_fields(last: Delta) -> dict:
+    return {"usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                      "total_tokens": last.prompt_tokens + last.completion_tokens},
+            "spec_decode_metrics": spec_decode_metrics(last.stats)}
+
+
+def build_http_app(router) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over `router` (a `cluster.router.Router`)."""
+    app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
+    model = router.cfg.model
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        locs = [".".join(str(x) for x in e["loc"] if x != "body") for e in exc.errors()]
+        message = "; ".join(f"{loc}: {e['msg']}" for loc, e in zip(locs, exc.errors()))
+        return _error(grpc.StatusCode.INVALID_ARGUMENT, message, param=locs[0].split(".")[0] if locs else None)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        call = _Call(request)
+        r = await router.ListModels(None, call)
+        if call.code is not None:
+            return _error(call.code, call.details)
+        return {"object": "list", "data": [{
+            "id": r.target, "object": "model", "created": int(router.started), "owned_by": "specd",
+            "max_model_len": r.context_length,
+            "drafts": [{"name": d.name, "kind": d.kind, "default": d.default, "placement": d.placement,
+                        "default_gamma": "auto" if d.default_gamma_auto else d.default_gamma} for d in r.drafts]}]}
+
+    async def serve_body(request: Request, body: _Body, chat: bool):
+        call = _Call(request)
+        try:
+            router._authorize(call)
+        except Exception as e:
+            router._error(call, e)
+            return _error(call.code, call.details)
+        if body.model != model:
+            return _error(grpc.StatusCode.NOT_FOUND, f"model {body.model!r} does not exist; this server serves "
+                                                     f"{model!r} (GET /v1/models)")
+        if not await router.serving():
+            return _error(grpc.StatusCode.UNAVAILABLE, "not ready: no verifier replica is running yet; retry later")
+        stream = router._stream(body.generate_request(), call)
+        try:  # the first message, or the refusal: validation, admission
+            first, _ = await anext(stream)
+        except Exception as e:
+            router._error(call, e)
+            return _error(call.code, call.details)
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + first.request_id, "created": int(time.time()),
+                "model": model}
+        if body.stream:
+            return StreamingResponse(_events(router, call, first, stream, head, chat, body.return_token_ids),
+                                     media_type="text/event-stream")
+        deltas = [first]
+        try:
+            async for d, _ in stream:
+                deltas.append(d)
+        except Exception as e:
+            router._error(call, e)
+            return _error(call.code, call.details)
+        last, text = deltas[-1], "".join(d.text for d in deltas)
+        choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason,
+                  "stop_reason": last.stop_string or None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if body.return_token_ids:
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                **_final_fields(last)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionBody):
+        return await serve_body(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatBody):
+        return await serve_body(request, body, chat=True)
+
+    return app
+
+
+async def _events(router, call: _Call, first: Delta, stream, head: dict, chat: bool, token_ids: bool):
+    """Server-sent events: one chunk per message of the generation, `data: [DONE]` last."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(d: Delta, role: bool) -> str:
+        choice = {"index": 0, "logprobs": None, "finish_reason": d.finish_reason}
+        if chat:
+            choice["delta"] = {"role": "assistant", "content": d.text} if role else {"content": d.text}
+        else:
+            choice["text"] = d.text
+        if token_ids:
+            choice["token_ids"] = d.token_ids
+        if d.finished:
+            choice["stop_reason"] = d.stop_string or None
+        msg = {**head, "object": obj, "choices": [choice], **(_final_fields(d) if d.finished else {})}
+        return f"data: {json.dumps(msg)}\n\n"
+
+    try:
+        yield chunk(first, role=True)
+        async for d, _ in stream:
+            yield chunk(d, role=False)
+    except Exception as e:  # the stream has started: the error is its last event
+        router._error(call, e)
+        yield f"data: {json.dumps(error_body(call.code, call.details)[1])}\n\n"
+    finally:
+        await stream.aclose()  # a client that left: the router stops the generation if it was the last caller
+    yield "data: [DONE]\n\n"

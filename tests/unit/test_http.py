@@ -1,0 +1,103 @@
+"""The OpenAI-compatible HTTP API (cluster/http.py) without Ray: the real `Router` and its FastAPI
+app, served by uvicorn on a free port, driven by the official `openai` client, over a canned
+verifier handle (no Serve controller: readiness is whether the verifier answers its health call).
+
+  * 503 with OpenAI's error shape while no verifier answers, then the completion once one does;
+  * the response's `spec_decode_metrics` are vLLM's counters and rates of the request's stats;
+  * a 400 from the schema names the body field (`param`), not the wire API's path.
+(The cluster tests in tests/cluster/test_placement.py cover 401, 404, 429, streaming, chat and
+equality with the gRPC path.)
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from actors.schema import Delta, SpecStats
+from cluster.http import build_http_app
+from cluster.router import Router
+from cluster.serve import free_port
+
+CONFIG = {"model": "tiny", "dtype": "fp32", "max_len": 128,
+          "router": {"max_tokens": 32, "default_max_tokens": 8, "default_draft": "ngram"},
+          "drafts": [{"name": "ngram", "spec": "ngram", "default_gamma": 3}]}
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class CannedVerifier:
+    """Streams two messages per request (tokens 5 and 6, planted stats); healthy once `ready`."""
+
+    def __init__(self):
+        self.ready = False
+        self.generate = _Method(self._stream)
+        self.check_health = _Method(self._health)
+        self.stats = SpecStats()
+        self.stats.record(drafted=3, accepted=2)
+        self.stats.record(drafted=3, accepted=0)
+
+    def options(self, **_):
+        return self
+
+    async def _health(self):
+        if not self.ready:
+            raise RuntimeError("models still loading")
+
+    async def _stream(self, req, timeout_s=None):
+        yield Delta(req.request_id, [5], "")
+        yield Delta(req.request_id, [6], "", finish_reason="length", prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=2, stats=self.stats)
+
+
+@pytest.fixture(scope="module")
+def served():
+    verifier = CannedVerifier()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_http_app(Router(CONFIG, verifier)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    end = time.time() + 30
+    while not server.started and time.time() < end:
+        time.sleep(0.02)
+    yield verifier, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_not_ready_is_503_then_the_completion_carries_vllm_metrics(served):
+    verifier, oa = served
+    with pytest.raises(openai.InternalServerError) as e:
+        oa.completions.create(model="tiny", prompt="1 2 3")
+    assert e.value.status_code == 503
+    assert e.value.body == {"message": "not ready: no verifier replica is running yet; retry later",
+                            "type": "server_error", "param": None, "code": "not_ready"}
+    verifier.ready = True
+    r = oa.completions.create(model="tiny", prompt="1 2 3", extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [5, 6] and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 2, 5)
+    assert r.spec_decode_metrics == {
+        "num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 2,
+        "num_accepted_tokens_per_pos": [1, 1, 0], "num_draft_tokens_per_pos": [2, 2, 2],
+        "mean_acceptance_length": 2.0, "draft_acceptance_rate": pytest.approx(1 / 3),
+        "acceptance_rate_per_pos": [0.5, 0.5, 0.0]}
+
+
+def test_schema_errors_name_the_body_field(served):
+    _, oa = served
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="1 2 3", top_p=0.0)
+    assert e.value.body["param"] == "top_p" and "sampling.top_p must be in" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt=[], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="1 2", n=2)
+    assert e.value.body["param"] == "n"
