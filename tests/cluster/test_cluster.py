@@ -229,16 +229,19 @@ def test_overload_is_resource_exhausted_and_others_complete(cluster):
     assert all(len(r.token_ids) == 24 for r in done)
 
 
-@pytest.mark.parametrize("draft,actor", [("truncated:4", "Draft-truncated-4"), ("eagle", "Draft-eagle")])
-def test_lost_draft_replica_is_resynced_and_output_identical(cluster, hf_ref, draft, actor):
-    """Kill the Draft replica mid-stream: the verifier re-sends the sequence's committed tokens
-    (and, for a feature head, every committed token's target hidden state) to a fresh replica
-    and the greedy output stays identical."""
-    it = cluster.stream(messages=QUESTION, max_tokens=32, draft=draft, gamma=2)
-    got = list(next(it).token_ids)
-    name = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                if actor in a["name"])
-    ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
-    for chunk in it:
-        got += chunk.token_ids
-    assert got == hf_ref
+def test_lost_draft_replicas_are_resynced_and_output_identical(cluster, hf_ref):
+    """Kill both Draft replicas while a stream drafts on each: the verifier re-sends each
+    sequence's committed tokens (and, for the feature head, every committed token's target
+    hidden state) to a fresh replica, and both greedy outputs stay identical."""
+    streams = {draft: cluster.stream(messages=QUESTION, max_tokens=32, draft=draft, gamma=2)
+               for draft in ("truncated:4", "eagle")}
+    got = {draft: list(next(it).token_ids) for draft, it in streams.items()}  # both under way
+    for actor in ("Draft-truncated-4", "Draft-eagle"):
+        name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if actor in a["name"])
+        ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+
+    def rest(draft):
+        return got[draft] + [t for chunk in streams[draft] for t in chunk.token_ids]
+    with cf.ThreadPoolExecutor(2) as ex:  # both streams read at once (the verifier batches them)
+        out = dict(zip(streams, ex.map(rest, streams)))
+    assert out == {"truncated:4": hf_ref, "eagle": hf_ref}

@@ -3,14 +3,20 @@
 Serve handle at run time; concurrent requests of different lengths give the same tokens with
 pipelining on and off and as the target alone; cancelling a stream mid-flight frees its KV on the
 verifier and on the draft replica. (The engine-level tests: tests/unit/test_pipeline.py.)
+The same cluster is what `specd bench --address` and `--pipeline-compare` measure in their tests.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
 import threading
 import time
 
 import pytest
+
+from cluster.config import ClusterConfig
+from specd.cli import main
 
 # --------------------------------------------------------------------------- #
 # The cluster: real Ray Serve, real gRPC, a remote draft replica
@@ -20,10 +26,12 @@ C_PROMPTS = ["5 6 7 8 9", "11 12 13 14", "100 200 300", "42 43 44 45 46 47", "7 
 C_MAX = [48, 12, 30, 64, 20, 40]
 C_DRAFTS = [DRAFT, DRAFT, DRAFT, DRAFT, "ngram", "none"]
 ADDRESS: list[str] = []
+CONFIG_PATH: list = []  # the cluster's config as a file (what `specd bench --config` reads)
+BENCH_PROMPTS = ["5 6 7 8 9 5 6 7 8 9 5 6 7", "11 12 13 11 12 13 11 12"]
 
 
 @pytest.fixture(scope="module")
-def cluster(start_cluster):
+def cluster(start_cluster, tmp_path_factory):
     cfg = {
         "model": "tiny", "dtype": "fp32", "max_len": 512, "grpc_port": 0, "http_port": 0,
         "router": {"max_queue": 32, "max_tokens": 256, "default_max_tokens": 16, "coalesce": False,
@@ -31,8 +39,11 @@ def cluster(start_cluster):
         "verifier": {"max_batch": 8, "pipeline": True, "resources": {"custom": {"large_accel": 1}}},
         "drafts": [{"name": "ngram", "spec": "ngram"},
                    {"name": DRAFT, "spec": DRAFT, "placement": "remote", "overlap": False, "max_batch": 16, "resources": {"custom": {"small_accel": 1}}}]}
+    path = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
+    path.write_text(ClusterConfig.model_validate(cfg).dump())
     addr, client = start_cluster(cfg, timeout=90)
     ADDRESS.append(addr)
+    CONFIG_PATH.append(path)
     return client
 
 
@@ -104,8 +115,6 @@ def test_cluster_cancel_mid_stream_with_pipelining_frees_kv_both_sides(cluster, 
 
 def test_bench_pipeline_compare_report(cluster, verifier, tmp_path):
     """`specd bench --pipeline-compare`'s measurement against this cluster: shape and sanity only."""
-    import json
-
     from specd.bench.cluster import pipeline_compare, render_pipeline
 
     prompts = tmp_path / "prompts.jsonl"
@@ -124,3 +133,57 @@ def test_bench_pipeline_compare_report(cluster, verifier, tmp_path):
     assert set(rep["greedy_agreement_across_rounds"].values()) == {1.0}  # fp32
     assert "pipelining on/off tokens/s" in render_pipeline(rep)
     assert verifier.stats.remote().result()["pipeline"] is True  # the cluster's setting is restored
+
+
+def test_bench_address_report(cluster, tmp_path):
+    """`specd bench --address` against this cluster: the report's shape and sane values, never
+    timing thresholds: every point has tokens, positive throughput and ordered percentiles, α is
+    a probability where something was drafted, the ratios are there, and at concurrency 1 the
+    cluster's greedy tokens equal the in-process engine's."""
+    addr, cfg_path = ADDRESS[0], CONFIG_PATH[0]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BENCH_PROMPTS))
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "--address", addr, "--config", str(cfg_path), "--prompts", str(prompts),
+               "--draft", "ngram", "--gamma", "3",
+               "--concurrency", "1,2", "--max-tokens", "12", "--json", str(out), "--plot", str(png),
+               "--no-match-niceness"])  # the default would renice the whole test session
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert png.stat().st_size > 1000 and out.with_suffix(".txt").read_text().strip()
+
+    assert rep["target"] == "tiny" and rep["draft"] == "ngram" and rep["gamma"] == 3
+    assert rep["concurrency"] == [1, 2] and rep["prompts"] == 2 and rep["niceness"] == os.nice(0)
+    points = {(r["side"], r["concurrency"], r["mode"]) for r in rep["results"]}
+    assert points == {("cluster", 1, "spec"), ("cluster", 1, "off"), ("cluster", 2, "spec"), ("cluster", 2, "off"),
+                      ("in-process", 1, "spec"), ("in-process", 1, "off"), ("hf", 1, "off")}
+    for r in rep["results"]:
+        assert r["requests"] == 2 and 2 <= r["tokens"] <= 24
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+        assert r["coalesced"] == 0
+        if r["side"] != "hf":
+            t, itl = r["ttft_ms"], r["itl_ms"]
+            assert 0 < t["p50"] <= t["p99"] and t["mean"] > 0
+            assert itl["p50"] is None or 0 <= itl["p50"] <= itl["p99"]
+        if r["mode"] == "off":
+            assert r["acceptance_rate"] is None and r["mean_accepted_length"] is None
+        elif r["acceptance_rate"] is not None:
+            assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["mean_accepted_length"] <= 1 + rep["gamma"]
+            assert all(0 <= a <= 1 for a in r["acceptance_per_position"])
+
+    ra = rep["ratios"]
+    assert set(ra["cluster_vs_inprocess_c1"]) == {"spec", "off"}
+    for v in ra["cluster_vs_inprocess_c1"].values():
+        assert v["tokens_per_s_ratio"] > 0
+        assert v["per_token_overhead"] == pytest.approx(1 / v["tokens_per_s_ratio"])
+    assert set(ra["vs_hf_serial"]) == {"c1-spec", "c1-off", "c2-spec", "c2-off"}
+    assert all(v > 0 for v in ra["vs_hf_serial"].values())
+    assert set(ra["spec_vs_off"]) == {"cluster-c1", "cluster-c2", "in-process-c1"}
+    goals = rep["goals"]
+    assert {"cluster-c1_spec_ge_0.98x_off", "cluster-c2_spec_ge_0.98x_off", "c1_off_cluster_ge_0.95x_inprocess",
+            "c2_ge_0.7x_runner_ceiling", "c2_vs_serial_hf"} <= set(goals)
+    assert goals["c2_vs_serial_hf"]["ratio"] == pytest.approx(
+        max(r["tokens_per_s"] for r in rep["results"] if r["side"] == "cluster" and r["concurrency"] == 2)
+        / next(r["tokens_per_s"] for r in rep["results"] if r["side"] == "hf"))
+    # the same engine code on both sides, fp32, batch 1: identical greedy tokens
+    assert rep["greedy_agreement_cluster_vs_inprocess_c1"] == {"spec": 1.0, "off": 1.0}

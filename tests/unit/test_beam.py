@@ -164,7 +164,7 @@ def smol_engine(smollm2):
                       eos_token_ids=smollm2.eos_token_ids, max_batch=8, max_len=128, pass_cost=cost)
 
 
-@pytest.mark.parametrize("beams", [2, 4])
+@pytest.mark.parametrize("beams", [4])  # 2 beams: the tiny model's tests above (and the cluster's)
 def test_smollm2_beam_search_equals_hf(smollm2, smol_engine, beams):
     """SmolLM2 fp32, chat prompts of different lengths in one batch, its real EOS."""
     tok = smollm2.tokenizer
