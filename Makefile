@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab tune gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab tune soak gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,5 +71,12 @@ k8s-check: $(STAMP)
 # the request fuzzer of `make test` (tests/cluster/test_fuzz.py) with more examples and time
 FUZZ_EXAMPLES ?= 3000
 FUZZ_SECONDS  ?= 900
+# a bounded soak of a local cluster (specd/soak.py): mixed load with cancellations and deadlines; statuses,
+# p50/p99 and every replica's RSS over time, KV at the end; out/soak/soak.{json,txt,png}
+SOAK_MINUTES ?= 10
+SOAK_CONCURRENCY ?= 16
+soak: $(STAMP)
+	$(BIN)/specd soak --minutes $(SOAK_MINUTES) --concurrency $(SOAK_CONCURRENCY) --out out/soak
+
 fuzz: $(STAMP)
 	SPECD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SPECD_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/cluster/test_fuzz.py

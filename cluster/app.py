@@ -34,7 +34,10 @@ SERVICER_FUNCTIONS = [
 
 
 def _options(spec: DeploymentSpec, name: str, **extra) -> dict:
-    return {"name": name, "ray_actor_options": spec.resources.ray_actor_options(),
+    opts = spec.resources.ray_actor_options()
+    if spec.env_vars:
+        opts["runtime_env"] = {"env_vars": dict(spec.env_vars)}
+    return {"name": name, "ray_actor_options": opts,
             "autoscaling_config": spec.autoscaling.serve(),
             "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
             "graceful_shutdown_wait_loop_s": 0.5, **extra}

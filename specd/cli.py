@@ -15,6 +15,8 @@
                                     $/1M tokens, J/token, replicas and latency per option and accelerator
   specd tune [--draft D ...]        measure this machine, predict the best γ per batch size, check it with a
                                     sweep, store a profile that gamma 'auto' uses (see specd/tune.py)
+  specd soak [--minutes 10]         a bounded soak of a local cluster: mixed load, cancellations, deadlines;
+                                    statuses, latency and replica RSS over time, KV at the end (specd/soak.py)
 Commands that talk to a cluster send $SPECD_TOKEN as the bearer token when it is set.
 """
 from __future__ import annotations
@@ -147,11 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     from .cost import add_parser as add_cost
     from .distill import add_parser as add_distill
     from .lab import add_parser as add_lab
+    from .soak import add_parser as add_soak
     from .tune import add_parser as add_tune
     add_distill(sub)
     add_cost(sub)
     add_lab(sub)
     add_tune(sub)
+    add_soak(sub)
     return ap
 
 
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
                 "serve": _serve, "distill": _distill, "cost": _cost,
-                "lab": _lab, "tune": _tune}[args.cmd](args)
+                "lab": _lab, "tune": _tune, "soak": _soak}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
@@ -173,6 +177,11 @@ def _lab(args) -> int:
 
 def _tune(args) -> int:
     from .tune import run
+    return run(args)
+
+
+def _soak(args) -> int:
+    from .soak import run
     return run(args)
 
 
