@@ -218,6 +218,7 @@ def soak(address: str, minutes: float, concurrency: int, prompts: list[dict], ou
          cancel_share: float = 0.1, deadline_share: float = 0.1, max_tokens: int = 96, window: float = 60.0,
          sample_s: float = 5.0, slope_minutes: float = 8.0, max_slope: float = 2.0, progress: bool = True,
          token: str | None = None) -> dict:
+    import ray
     from tqdm import tqdm
 
     from actors.calibrate import hardware, hardware_line
@@ -248,12 +249,14 @@ def soak(address: str, minutes: float, concurrency: int, prompts: list[dict], ou
             with lock:
                 outcomes.append(o)
 
+    here = ("", "127.0.0.1", ray.util.get_node_ip_address())  # replicas on this machine
+
     def sampler() -> None:
         while not done.is_set():
             now = time.perf_counter() - t0
             try:
-                for name, (pid, _) in _serve_replicas().items():
-                    mb = _memory_mb(pid)
+                for name, (pid, ip) in _serve_replicas().items():
+                    mb = _memory_mb(pid) if ip in here else None  # a pid on another machine is not ours
                     if mb is not None:
                         rss.setdefault(name, []).append((now, mb[0]))
                         private.setdefault(name, []).append((now, mb[1]))

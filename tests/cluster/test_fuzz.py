@@ -641,6 +641,9 @@ def test_server_keeps_serving(fuzzed):
     assert {x.role for x in st_.replicas} == {"verifier", "draft"}
 
 
+N_POOL = 160  # tokens per request: long enough that all twelve are in flight together
+
+
 def test_draft_pool_smaller_than_the_load(fuzzed):
     """Twelve requests at once on the remote draft, whose pool holds DRAFT_SLOTS sequences for the
     verifier's four KV slots and the router's MAX_QUEUE: the router refuses what it cannot admit
@@ -655,11 +658,15 @@ def test_draft_pool_smaller_than_the_load(fuzzed):
     def remote_stats() -> dict:
         return next(r for r in client.stats().replicas if r.role == "draft")
 
+    import threading
+
     prompts = [[20 + i, 21 + i, 22 + i, 23 + i] for i in range(12)]  # distinct: nothing coalesces
+    together = threading.Barrier(len(prompts))  # all at once: a slow thread start must not let the first finish
 
     def call(ids):
-        req = pb.GenerateRequest(prompt=" ".join(map(str, ids)), sampling=pb.SamplingParams(max_tokens=96),
+        req = pb.GenerateRequest(prompt=" ".join(map(str, ids)), sampling=pb.SamplingParams(max_tokens=N_POOL),
                                  speculation=pb.SpeculationParams(draft="remote", gamma=3))
+        together.wait()
         try:
             return list(stub.Generate(req, metadata=MD, timeout=CALL_TIMEOUT).token_ids)
         except grpc.RpcError as e:
@@ -673,7 +680,7 @@ def test_draft_pool_smaller_than_the_load(fuzzed):
     assert 0 < len(refused) <= len(prompts) - MAX_QUEUE  # the first MAX_QUEUE always find room
     for ids, o in zip(prompts, out):
         if not isinstance(o, grpc.RpcError):
-            assert o == reference(ids, 96)
+            assert o == reference(ids, N_POOL)
     assert _full_rows(fuzzed) > full_before, "no row ever lacked a draft slot: the pool was not the bottleneck"
     end = time.time() + 30
     while any(r.kv_slots_in_use for r in client.stats().replicas) and time.time() < end:

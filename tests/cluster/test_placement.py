@@ -133,8 +133,11 @@ def test_stats_load_and_abort_reach_every_verifier_replica(nodes):
         def run(rid, prompt):  # distinct prompts (identical ones would coalesce into one generation)
             chunks[rid] = list(client.stream(prompt=prompt, max_tokens=600, draft="truncated:2", gamma=2,
                                              request_id=rid))
-        for i, prompt in enumerate(LONG_PROMPTS):  # 2 slots per replica: spread until both run one
-            rid = f"long-{i}"
+        # Serve picks the less loaded of two random replicas, by queue lengths it may have cached:
+        # several streams can land on one replica before the other gets one, so keep adding
+        # (distinct prompts: identical ones would coalesce) until both run one.
+        for i in range(12):
+            rid, prompt = f"long-{i}", f"{LONG_PROMPTS[i % len(LONG_PROMPTS)]} {300 + i}"
             ids.append(rid)
             threads.append(threading.Thread(target=run, args=(rid, prompt), daemon=True))
             threads[-1].start()
@@ -157,11 +160,9 @@ def test_stats_load_and_abort_reach_every_verifier_replica(nodes):
         t = threading.Thread(target=run, args=("via-verifier", LONG_PROMPTS[0]), daemon=True)
         t.start()
         verifier = serve.get_deployment_handle("Verifier", app_name="specd")
-        found = []
-        for _ in range(40):
+        found, end = [], time.time() + 30  # until the stream has reached a verifier (slow on a loaded machine)
+        while not found and time.time() < end:
             found = verifier.abort_ids.remote(["via-verifier"]).result()
-            if found:
-                break
             time.sleep(0.05)
         t.join(60)
         assert found == ["via-verifier"] and chunks["via-verifier"][-1].finish_reason == "abort"
@@ -386,6 +387,9 @@ def test_metrics_count_exactly_what_the_responses_say(nodes):
 
 
 # ---- last: it kills a verifier replica -------------------------------------------------------------
+FAILOVER_TOKENS = 320  # long enough that the streams are still running when the replica dies
+
+
 def test_verifier_replica_killed_mid_stream_resumes_on_the_other(nodes):
     """Streams on both verifier replicas (three greedy, one seeded sampled); one replica's process
     is SIGKILLed mid-stream. The router resumes each of its streams on the surviving replica from
@@ -398,10 +402,10 @@ def test_verifier_replica_killed_mid_stream_resumes_on_the_other(nodes):
     import threading
 
     addr, _, _ = nodes
-    asks = {f"fo-{i}": dict(prompt=p, max_tokens=160, draft="truncated:2", gamma=2)
+    asks = {f"fo-{i}": dict(prompt=p, max_tokens=FAILOVER_TOKENS, draft="truncated:2", gamma=2)
             for i, p in enumerate(LONG_PROMPTS[:3])}
-    asks["fo-seeded"] = dict(prompt=LONG_PROMPTS[3], max_tokens=160, temperature=0.9, seed=11, draft="truncated:2",
-                             gamma=2)
+    asks["fo-seeded"] = dict(prompt=LONG_PROMPTS[3], max_tokens=FAILOVER_TOKENS, temperature=0.9, seed=11,
+                             draft="truncated:2", gamma=2)
     with SpecdClient(addr, timeout=120, token=TOKEN) as client:
         with cf.ThreadPoolExecutor(len(asks)) as ex:  # undisturbed runs
             ref = dict(zip(asks, ex.map(lambda rid: client.generate(request_id=rid, **asks[rid]).token_ids, asks)))
