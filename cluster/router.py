@@ -391,14 +391,22 @@ class Router:
         """Call `method` on every running replica of `deployment` (pinned by replica id through
         cluster.routing.PinnedRouter), each within CONTROL_TIMEOUT_S; a replica that does not
         answer is left out. Without a controller (unit tests) the handle's one answer. Answers
-        that carry a replica_id are deduplicated by it (an unknown pin falls back to any replica)."""
+        that carry a replica_id are deduplicated by it (an unknown pin falls back to any replica).
+        The calls go one after another: pinned calls issued together through one handle left one
+        of them unrouted until its timeout (5 s per GetLoad on Ray 2.60), one at a time each
+        takes milliseconds."""
         ids = (await self._replica_ids()).get(deployment)
 
         async def one(pin):
             h = handle.options(session_id=pin) if pin else handle
             return await asyncio.wait_for(getattr(h, method).remote(*args), timeout=self.CONTROL_TIMEOUT_S)
         pins = ids or [None]
-        results = dict(zip(pins, await asyncio.gather(*(one(pin) for pin in pins), return_exceptions=True)))
+        results = {}
+        for pin in pins:
+            try:
+                results[pin] = await one(pin)
+            except Exception as e:
+                results[pin] = e
         for pin, x in results.items():
             # A handle that is still learning its replicas may hold a pinned call back or send it
             # elsewhere: ask that replica once more (every method here may be repeated).
