@@ -60,6 +60,15 @@ def draft_kind(spec: str) -> str:
     return "eagle" if meta and meta.get("kind") == "eagle" else "model"
 
 
+def draft_mode(spec: str, asked: str = "none") -> str:
+    """The int8 mode a draft runs in: `asked`, else the one a `specd distill --qat` checkpoint
+    was trained for, else "none"."""
+    from .quant import check_mode
+
+    check_mode(asked, "draft quant")
+    return asked if asked != "none" else (draft_meta(spec) or {}).get("qat", "none")
+
+
 def spec_wants_hidden(spec: str) -> bool:
     """Whether the draft reads the target's hidden states (a feature-level head)."""
     meta = draft_meta(spec)
@@ -157,7 +166,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
                  extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
-                 compile: bool = False, tune_profile: str | None = None) -> Built:
+                 compile: bool = False, tune_profile: str | None = None, quant: str = "none",
+                 draft_quant: str | dict[str, str] = "none") -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
@@ -166,22 +176,33 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     where a profile matches this hardware, target, dtype and a draft spec, the speculation policy
     starts that drafter from its acceptance and draft cost and reads the pass cost from it
     instead of the load-time calibration (`tune_profile.py`).
+    quant: the target's int8 mode (`actors/quant.py`; lossy: the output changes), calibrated
+    as quantized; draft_quant: the model-backed drafts' mode, one for all or by draft name
+    (lossless: the target verifies). A checkpoint trained with `specd distill --qat` runs in
+    the mode it was trained for unless draft_quant names another.
     The rest as `SpecEngine` takes them."""
+    from .quant import check_mode, quantize_drafter, quantize_runner
+
     device = resolve_device(device)
-    target, cost, dt, why = load_target(model, dtype, max_batch, device)
-    max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
+    check_mode(quant)
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
+    dq = draft_quant if isinstance(draft_quant, dict) else {name: draft_quant for name in named}
+    target, cost, dt, why = load_target(model, dtype, max_batch, device, calibrate=quant == "none")
+    max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():
         d = make_drafter(spec, target, max_batch, max_len)
         if d is not None:
-            drafters[name] = d
+            drafters[name] = quantize_drafter(d, draft_mode(spec, dq.get(name, "none")))
     drafters.update(extra_drafters or {})
     runner = LlamaRunner(target.model)
+    if quant != "none":
+        cost = calibrated(quantize_runner(runner, quant), target.name, max_batch, device)
     if compile:
         runner.compile()
     hw = hardware(device)
-    profiles = matching(hw, target.name, dt, {n: s for n, s in named.items() if n in drafters}, tune_profile)
+    profiles = matching(hw, target.name, dt, {n: s for n, s in named.items() if n in drafters}, tune_profile,
+                        quant=quant)
     if profiles:
         cost = max(profiles.values(), key=lambda p: p.created_at).pass_cost
     engine = SpecEngine(runner, drafters, tokenizer=target.tokenizer,
@@ -190,6 +211,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                         default_gamma=default_gamma, pass_cost=cost)
     for name, prof in profiles.items():
         engine.policy.set_prior(name, prof.prior())
-    engine.info.update(dtype=dt, dtype_reason=why, hardware=hw,
+    engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant,
+                       draft_quant={n: getattr(getattr(d, "runner", None), "quant", "none")
+                                    for n, d in drafters.items() if getattr(d, "runner", None) is not None},
                        tune_profiles={name: prof.path for name, prof in profiles.items()})
     return Built(engine, target, drafters, dt, why)

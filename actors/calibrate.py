@@ -176,6 +176,8 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
     tokens=(1,) measures decoding alone (a draft replica choosing its dtype)."""
     key = {"hardware": hardware(device), "model": model_name, "dtype": str(runner.dtype),
            "layers": runner.num_layers, "grid": grid(max_batch, tokens), "context": CONTEXT}
+    if getattr(runner, "quant", "none") != "none":
+        key["quant"] = runner.quant
     path = cache_path(key)
     if use_cache and path.exists():
         try:

@@ -204,7 +204,8 @@ class Student(torch.nn.Module):
     def save(self, out: Path, meta: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if self.kind == "eagle":
-            self.head.save(out, meta)
+            # a QAT head keeps fp32 weights: its int8 grid was learnt on them (bf16 would move some)
+            self.head.save(out, meta, dtype=torch.float32 if meta.get("qat", "none") != "none" else torch.bfloat16)
             return
         from safetensors.torch import save_file
 
@@ -338,6 +339,8 @@ class DistillConfig:
     gen_only: bool = True  # score only generated positions (prompts are context)
     seed: int = 0
     small: dict = field(default_factory=dict)
+    qat: str = "none"  # an int8 mode (actors/quant.py): train with its fake quantization, serve in it
+    init_from: str | None = None  # start from this checkpoint of the same kind (a QAT fine-tune)
 
 
 def _batches(seqs: list[TeacherSeq], cfg: DistillConfig, rng: random.Random):
@@ -420,6 +423,24 @@ def train(student: Student, target: LoadedModel, seqs: list[TeacherSeq], held: l
     return {"train_s": time.perf_counter() - t0, "loss_curve": curve, "checkpoints": history}
 
 
+def _init_from(cfg: DistillConfig, target: LoadedModel) -> Student:
+    """A student holding a `specd distill` EAGLE checkpoint's weights and head vocabulary."""
+    from .build import draft_meta, resolve_draft
+    from .drafters.eagle import EagleHead
+
+    path = resolve_draft(cfg.init_from, target.name)
+    meta = draft_meta(path) or {}
+    if cfg.kind != "eagle" or meta.get("kind") != "eagle":
+        raise ValueError(f"--init-from takes an EAGLE checkpoint for --kind eagle; {cfg.init_from!r} is "
+                         f"{meta.get('kind', 'not a specd distill checkpoint')}")
+    if meta.get("vocab_fingerprint") != vocab_fingerprint(target):
+        raise ValueError(f"--init-from {cfg.init_from!r} was trained for another vocabulary")
+    head = EagleHead.load(path, target.model)
+    student = Student(cfg.kind, target, head.vocab_map, cfg.small)
+    student.head = head
+    return student.float()
+
+
 def _dtype(target: LoadedModel) -> torch.dtype:
     return next(target.model.parameters()).dtype
 
@@ -463,10 +484,16 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
         if not train_seqs:
             raise ValueError(f"--domain {domain!r}: no rows of that domain in the data")
     vocab = target.model.config.vocab_size
-    vmap = head_vocab(train_seqs, cfg.head_vocab, vocab, target.eos_token_ids)
+    if cfg.init_from:
+        student = _init_from(cfg, target)
+        vmap = student.vmap
+    else:
+        vmap = head_vocab(train_seqs, cfg.head_vocab, vocab, target.eos_token_ids)
+        student = Student(cfg.kind, target, vmap, cfg.small)
     coverage = _coverage(held, vmap, vocab)
-
-    student = Student(cfg.kind, target, vmap, cfg.small)
+    if cfg.qat != "none":
+        from .quant import prepare_qat
+        prepare_qat(student, cfg.qat)  # every trainable linear (a frozen LM head is left as it is)
 
     def ev() -> dict:
         return evaluate(student, target, held, by_domain=True)
@@ -475,12 +502,16 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
     tr = train(student, target, train_seqs, held, cfg, progress)
     after = ev()
 
+    if cfg.qat != "none":
+        from .quant import convert_qat
+        convert_qat(student)
     out = Path(out)
     meta = {"name": out.name, "draft_kind": cfg.kind, "target": target.name,
             "vocab_fingerprint": vocab_fingerprint(target), "head_vocab": len(vmap),
-            "config": asdict(cfg), "trained_on": str(data), "domain": domain}
+            "config": asdict(cfg), "trained_on": str(data), "domain": domain, "qat": cfg.qat}
     student.save(out, meta)
-    drafter = make_drafter(str(out), target, 1, 512)
+    from .quant import quantize_drafter
+    drafter = quantize_drafter(make_drafter(str(out), target, 1, 512), cfg.qat)  # timed as it serves
     times = step_times(target, drafter)
     g_best = max(GAMMAS, key=lambda g: leviathan_speedup(after["all"]["alpha"], g, times["c"]))
     report = {
@@ -522,6 +553,9 @@ def render(report: dict) -> str:
     lines.append(f"{'tokens/pass, after':24}" + "".join(f"{a['mean_accepted_length'][g]:7.2f}" for g in GAMMAS))
     lines.append(f"{'predicted speedup':24}" + "".join(f"{report['predicted_speedup'][g]:7.2f}" for g in GAMMAS))
     lines += ["", f"held-out α (Leviathan, from tokens/pass at γ=4): before {b['alpha']:.3f}, after {a['alpha']:.3f}"]
+    if report["config"].get("qat", "none") != "none":
+        lines.append(f"QAT {report['config']['qat']}: both evaluated under that fake quantization, so 'before' is "
+                     f"the {report['config'].get('init_from') or 'initial'} head quantized after training (PTQ)")
     for d, r in report["after"].items():
         if d != "all":
             lines.append(f"  {d:10} before {report['before'][d]['alpha']:.3f}  after {r['alpha']:.3f}")

@@ -147,6 +147,7 @@ class LlamaRunner:
         self.eps = cfg.rms_norm_eps
         total = cfg.num_hidden_layers
         self.num_layers = total if num_layers is None else num_layers
+        self.quant = "none"  # or an int8 mode set by `actors.quant.quantize_runner`
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
 

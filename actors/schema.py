@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
 MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
+QUANT_MODES = ("none", "int8-weight", "int8-dynamic", "mixed")  # weight modes, see actors/quant.py
 AUTO = "auto"  # γ chosen per step by the speculation policy (actors/policy.py)
 AUTO_MAX_GAMMA = 8  # the most the policy proposes per step
 MAX_TREE = 64  # the most nodes a token tree may have

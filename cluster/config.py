@@ -30,6 +30,9 @@ LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
+QuantMode = Literal["none", "int8-weight", "int8-dynamic", "mixed"]  # actors.schema.QUANT_MODES (a test checks)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -109,6 +112,8 @@ class DraftConfig(DeploymentSpec):
     overlap: bool = Field(True, description="remote: draft the next block for the likeliest verdicts while "
                           "the target verifies (token-level model drafts; feature heads run colocated)")
     overlap_branches: int = Field(3, ge=1, le=16, description="verdicts prepared per block when overlapping")
+    quant: QuantMode = Field("none", description="int8 mode of the draft's weights (actors/quant.py); lossless: "
+                             "the target verifies every token. 'none' keeps a `specd distill --qat` head's own mode")
 
     @property
     def remote(self) -> bool:
@@ -129,6 +134,8 @@ class VerifierConfig(DeploymentSpec):
                            "verify one while the draft replicas propose for the other (greedy output unchanged; "
                            "VerifierServer.set_pipeline toggles it at run time)")
     compile: bool = Field(False, description="torch.compile the target's layer math (cached on disk; opt-in)")
+    quant: QuantMode = Field("none", description="int8 mode of the target's weights (actors/quant.py). LOSSY: the "
+                             "output differs from the unquantized target's; `specd quant` measures by how much")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "
                                "prefill: running streams keep decoding while a long prompt is admitted)")
     tune_profile: str | None = Field(None, description="a `specd tune` profile file (or a directory of them) "

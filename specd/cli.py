@@ -17,6 +17,8 @@
                                     sweep, store a profile that gamma 'auto' uses (see specd/tune.py)
   specd soak [--minutes 10]         a bounded soak of a local cluster: mixed load, cancellations, deadlines;
                                     statuses, latency and replica RSS over time, KV at the end (specd/soak.py)
+  specd quant [--qat-draft DIR]     int8 target and draft (torchao): pass costs, draft cost, tokens/s, α,
+                                    agreement with and NLL under the unquantized target (specd/quant.py)
 Commands that talk to a cluster send $SPECD_TOKEN as the bearer token when it is set.
 """
 from __future__ import annotations
@@ -27,6 +29,8 @@ import os
 import sys
 import time
 import uuid
+
+from actors.schema import QUANT_MODES
 
 
 def gamma_arg(value: str) -> int | str:
@@ -46,6 +50,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's layer math (opt-in)")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
+    p.add_argument("--quant", default="none", choices=QUANT_MODES,
+                   help="the target's int8 mode (torchao). LOSSY: output differs from the unquantized target")
+    p.add_argument("--draft-quant", default="none", choices=QUANT_MODES,
+                   help="the draft's int8 mode (lossless: the target verifies); none keeps a --qat head's own")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     from .cost import add_parser as add_cost
     from .distill import add_parser as add_distill
     from .lab import add_parser as add_lab
+    from .quant import add_parser as add_quant
     from .soak import add_parser as add_soak
     from .tune import add_parser as add_tune
     add_distill(sub)
@@ -156,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     add_lab(sub)
     add_tune(sub)
     add_soak(sub)
+    add_quant(sub)
     return ap
 
 
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
                 "serve": _serve, "distill": _distill, "cost": _cost,
-                "lab": _lab, "tune": _tune, "soak": _soak}[args.cmd](args)
+                "lab": _lab, "tune": _tune, "soak": _soak, "quant": _quant}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
@@ -177,6 +187,11 @@ def _lab(args) -> int:
 
 def _tune(args) -> int:
     from .tune import run
+    return run(args)
+
+
+def _quant(args) -> int:
+    from .quant import run
     return run(args)
 
 
@@ -262,7 +277,7 @@ def _generate(args) -> int:
 
     messages = json.loads(args.messages_json) if args.messages_json else None
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=args.num_beams, max_len=args.max_len,
-                         device=args.device, compile=args.compile)
+                         device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -341,7 +356,8 @@ def _bench(args) -> int:
     report = bench.run_local(args.model, drafts, args.gamma, args.dtype, args.max_tokens,
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
                              hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device,
-                             trees=tuple(int(x) for x in args.tree_budgets.split(",") if x))
+                             trees=tuple(int(x) for x in args.tree_budgets.split(",") if x),
+                             quant=args.quant, draft_quant=args.draft_quant)
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))
@@ -470,7 +486,7 @@ def _demo_local(args) -> int:
     from actors.text import encode_prompt
 
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len,
-                         device=args.device, compile=args.compile)
+                         device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant)
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft

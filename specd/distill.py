@@ -18,6 +18,7 @@ from pathlib import Path
 
 def add_parser(sub) -> None:
     from actors.distill import KINDS, OBJECTIVES, DistillConfig
+    from actors.schema import QUANT_MODES
 
     d = DistillConfig()
     p = sub.add_parser("distill", help="train a draft model from the target (KL / NTP distillation)",
@@ -47,6 +48,11 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N corpus rows")
     p.add_argument("--max-new", type=int, default=128, help="tokens the target generates per prompt")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--qat", default="none", choices=QUANT_MODES,
+                   help="quantization-aware training: fake-quantize the trainable linears as this int8 mode "
+                        "(torchao); the checkpoint then serves in that mode")
+    p.add_argument("--init-from", default=None,
+                   help="start from this EAGLE checkpoint ('default': the shipped head), e.g. a QAT fine-tune")
     p.add_argument("--out", default="out/drafts/draft", help="checkpoint + report directory")
 
 
@@ -60,7 +66,7 @@ def run(args) -> int:
     cfg = DistillConfig(kind=args.kind, objective=args.objective, temperature=args.temperature,
                         head_vocab=args.head_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
                         max_len=args.max_seq_len, ttt_steps=args.ttt_steps, reg_weight=args.reg_weight,
-                        eval_every=args.eval_every, seed=args.seed,
+                        eval_every=args.eval_every, seed=args.seed, qat=args.qat, init_from=args.init_from,
                         small={"num_hidden_layers": args.small_layers, "hidden_size": args.small_hidden,
                                "intermediate_size": args.small_hidden * 8 // 3, "num_attention_heads": heads,
                                "num_key_value_heads": 1, "eagle_init": args.eagle_init})

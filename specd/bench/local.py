@@ -139,13 +139,16 @@ def bandwidth_floor(model) -> dict:
 def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: int = 4, dtype: str = "bf16",
               max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
               hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto",
-              trees: tuple[int, ...] = (), tree_depth: int = 6) -> dict:
+              trees: tuple[int, ...] = (), tree_depth: int = 6, quant: str = "none",
+              draft_quant: str = "none") -> dict:
     """trees: node budgets at which every tree-capable draft also runs as a token tree (depth
-    at most tree_depth); each is a configuration "engine+SPEC tree:N"."""
+    at most tree_depth); each is a configuration "engine+SPEC tree:N". quant, draft_quant: the
+    target's and the drafts' int8 modes (`actors/quant.py`)."""
     from tqdm import tqdm
 
     prompts = load_prompts(prompts_path)[:limit]
-    built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device)
+    built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device, quant=quant,
+                         draft_quant=draft_quant)
     eng, target = built.engine, built.target
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
@@ -231,7 +234,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
         res["speedup_vs_hf_anchor"] = res["tokens_per_s"] / anchor if anchor else None
 
     prof = step_profile(built, ids[0])
-    report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason,
+    report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason, "quant": quant,
+              "draft_quant": draft_quant,
               "hardware": eng.info.get("hardware"), "gamma": gamma, "max_tokens": max_tokens,
               "prompts": len(ids), "threads": torch.get_num_threads(), "results": results,
               "verify_cost": verify_costs(eng.target), "decode_step_profile": prof,
