@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab tune soak gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,15 @@ lab: $(STAMP)
 # acceptance per position, predicted best γ per batch size checked by a sweep; gamma 'auto' then uses it
 tune: $(STAMP)
 	$(BIN)/specd tune --out out/tune
+
+# int8 target and draft through torchao (specd/quant.py): pass cost per weight format, draft step, tokens/s, α,
+# agreement with and NLL under the unquantized target. Trains the QAT head once first (a 200-step QAT fine-tune
+# of the shipped head; its report compares it with the same head quantized after training)
+QAT_HEAD := out/drafts/smollm2-eagle-qat
+quant: $(STAMP)
+	test -f $(QAT_HEAD)/specd_draft.json || $(BIN)/specd distill --kind eagle --init-from default --qat int8-weight \
+		--steps 200 --lr 1e-3 --eval-every 100 --out $(QAT_HEAD)
+	$(BIN)/specd quant --qat-draft $(QAT_HEAD) --out out/quant
 
 # The engine on a GPU (specd/gpu_check.py): needs only actors/ and the machine's own Python with
 # PyTorch and transformers (no Ray, no pydantic, no venv). DEVICE=cpu is the dry run.

@@ -137,26 +137,41 @@ class Built:
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 
 
+PREPACK_CHOICES = ("auto", "on", "off")
+
+
+def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
+    """`runner` with its weights in oneDNN's prepacked layout (`LlamaRunner.prepack`) when asked:
+    "on"; "auto" (the default) for bf16 only, where the result is bit-identical to F.linear (fp32
+    prepacked rounds differently from MKL in the last bits, so it waits for "on"); "off"."""
+    if prepack not in PREPACK_CHOICES:
+        raise ValueError(f"prepack must be one of {list(PREPACK_CHOICES)}, got {prepack!r}")
+    if prepack == "on" or (prepack == "auto" and runner.dtype == torch.bfloat16):
+        runner.prepack()
+    return runner
+
+
 def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
-                decode_only: bool = False) -> tuple[LoadedModel, PassCost | None, str, str]:
-    """The target in its dtype, with its calibrated pass cost. dtype "auto": measure bf16 and
-    fp32 on this hardware (cached per hardware and model, see calibrate.py) and keep the one
-    that decodes fastest per token at `max_batch` rows. Never a lossy (quantized) target.
-    decode_only: time one-token passes only (a draft replica choosing its dtype).
-    Returns (model, pass cost or None, dtype, why)."""
+                decode_only: bool = False, prepack: str = "auto") -> tuple[LoadedModel, PassCost | None, str, str]:
+    """The target in its dtype, with its calibrated pass cost (measured as `prepack` will run
+    it). dtype "auto": measure bf16 and fp32 on this hardware (cached per hardware and model, see
+    calibrate.py) and keep the one that decodes fastest per token at `max_batch` rows. Never a
+    lossy (quantized) target. decode_only: time one-token passes only (a draft replica choosing
+    its dtype). Returns (model, pass cost or None, dtype, why)."""
     tokens = (1,) if decode_only else TOKENS
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     device = resolve_device(device)
     if dtype != "auto":
         target = load_model(model, dtype, device)
-        cost = calibrated(LlamaRunner(target.model), target.name, max_batch, device, tokens=tokens) \
+        cost = calibrated(with_prepack(LlamaRunner(target.model), prepack), target.name, max_batch, device,
+                          tokens=tokens) \
             if calibrate else None
         return target, cost, dtype, f"{dtype}: as configured"
     costs, loaded = {}, {}
     for dt in ("bf16", "fp32"):
         t = load_model(model, dt, device)
-        costs[dt] = calibrated(LlamaRunner(t.model), t.name, max_batch, device, tokens=tokens)
+        costs[dt] = calibrated(with_prepack(LlamaRunner(t.model), prepack), t.name, max_batch, device, tokens=tokens)
         loaded[dt] = t
     best, why = choose_dtype(costs, max_batch)
     return loaded[best], costs[best], best, why
@@ -167,7 +182,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
                  compile: bool = False, tune_profile: str | None = None, quant: str = "none",
-                 draft_quant: str | dict[str, str] = "none") -> Built:
+                 draft_quant: str | dict[str, str] = "none", prepack: str = "auto") -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
@@ -179,7 +194,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     quant: the target's int8 mode (`actors/quant.py`; lossy: the output changes), calibrated
     as quantized; draft_quant: the model-backed drafts' mode, one for all or by draft name
     (lossless: the target verifies). A checkpoint trained with `specd distill --qat` runs in
-    the mode it was trained for unless draft_quant names another.
+    the mode it was trained for unless draft_quant names another. prepack: the target's and the
+    model drafts' weights in oneDNN's prepacked CPU layout (`with_prepack`; not with compile).
     The rest as `SpecEngine` takes them."""
     from .quant import check_mode, quantize_drafter, quantize_runner
 
@@ -187,17 +203,24 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     check_mode(quant)
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
     dq = draft_quant if isinstance(draft_quant, dict) else {name: draft_quant for name in named}
-    target, cost, dt, why = load_target(model, dtype, max_batch, device, calibrate=quant == "none")
+    prepack = "off" if compile else prepack
+    target, cost, dt, why = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack)
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():
         d = make_drafter(spec, target, max_batch, max_len)
         if d is not None:
-            drafters[name] = quantize_drafter(d, draft_mode(spec, dq.get(name, "none")))
+            d = quantize_drafter(d, draft_mode(spec, dq.get(name, "none")))
+            if getattr(d, "runner", None) is not None:
+                with_prepack(d.runner, prepack)
+            drafters[name] = d
     drafters.update(extra_drafters or {})
     runner = LlamaRunner(target.model)
     if quant != "none":
-        cost = calibrated(quantize_runner(runner, quant), target.name, max_batch, device)
+        quantize_runner(runner, quant)
+    with_prepack(runner, prepack)
+    if quant != "none":
+        cost = calibrated(runner, target.name, max_batch, device)
     if compile:
         runner.compile()
     hw = hardware(device)
@@ -211,7 +234,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                         default_gamma=default_gamma, pass_cost=cost)
     for name, prof in profiles.items():
         engine.policy.set_prior(name, prof.prior())
-    engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant,
+    engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant, prepacked=runner.prepacked,
                        draft_quant={n: getattr(getattr(d, "runner", None), "quant", "none")
                                     for n, d in drafters.items() if getattr(d, "runner", None) is not None},
                        tune_profiles={name: prof.path for name, prof in profiles.items()})

@@ -178,6 +178,8 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
            "layers": runner.num_layers, "grid": grid(max_batch, tokens), "context": CONTEXT}
     if getattr(runner, "quant", "none") != "none":
         key["quant"] = runner.quant
+    if getattr(runner, "prepacked", False):
+        key["prepacked"] = True
     path = cache_path(key)
     if use_cache and path.exists():
         try:

@@ -148,6 +148,7 @@ class LlamaRunner:
         total = cfg.num_hidden_layers
         self.num_layers = total if num_layers is None else num_layers
         self.quant = "none"  # or an int8 mode set by `actors.quant.quantize_runner`
+        self.prepacked = False  # see `prepack`
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
 
@@ -269,7 +270,7 @@ class LlamaRunner:
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated."""
         B, T = x.shape[:2]
         h = _rms_norm(x, attn_norm, self.eps)
-        qkv = F.linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
+        qkv = _linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
         q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
             [self.n_heads, self.n_kv, self.n_kv], dim=2)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
@@ -277,10 +278,10 @@ class LlamaRunner:
     def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down):
         """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]."""
         B, T = x.shape[:2]
-        x = x + F.linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo)
+        x = x + _linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo)
         h = _rms_norm(x, mlp_norm, self.eps)
-        gate, up = F.linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return x + F.linear(F.silu(gate) * up, w_down)
+        gate, up = _linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
+        return x + _linear(F.silu(gate) * up, w_down)
 
     def compile(self) -> "LlamaRunner":
         """Opt-in: compile the dense math of a decoder layer (norms, fused projections, RoPE,
@@ -296,12 +297,46 @@ class LlamaRunner:
         self._post_attn = torch.compile(self._post_attn, dynamic=True)
         return self
 
+    def prepack(self) -> "LlamaRunner":
+        """CPU only: hold every dense projection and the LM head in oneDNN's blocked layout, reordered
+        once here instead of inside every matmul (`torch.ops.mkldnn`, the layout Inductor's CPU
+        freezing uses). Measured on a 2-core AVX-512-BF16 EPYC, SmolLM2 shapes: each linear 1.3-3x
+        faster in bf16 at 1-9 tokens, bit-identical to F.linear; in fp32 (MKL without it) up to 5x at
+        2+ tokens, where MKL's small-M path costs twice a GEMV, but rounding differs from MKL's in the
+        last bits. Costs a second copy of those weights (the model's own stay for other runners that
+        share them: a truncated self-draft, an HF forward). Int8 (torchao) weights are left as they
+        are. No-op where oneDNN is unavailable or on a GPU."""
+        if self.device.type != "cpu" or not prepack_available():
+            return self
+
+        def pack(w):
+            if type(w) is not torch.Tensor or w.is_mkldnn or w.dtype not in (torch.float32, torch.bfloat16):
+                return w
+            return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                setattr(layer, name, pack(getattr(layer, name)))
+        self.lm_head = pack(self.lm_head)
+        self.prepacked = True
+        return self
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., E] -> logits [..., V] (in the model dtype)."""
-        return F.linear(hidden, self.lm_head)
+        return _linear(hidden, self.lm_head)
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def prepack_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or oneDNN's linear for a weight `LlamaRunner.prepack` reordered."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
 
 
 def _fused(owner: torch.nn.Module, attr: str, linears: list[torch.nn.Linear]) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .schema import QUANT_MODES as MODES
+
 _ATTN, _MLP = ("wqkv", "wo"), ("w_gate_up", "w_down")
 
 
@@ -103,12 +104,10 @@ def quantize_drafter(drafter, mode: str):
 
 
 # ---- quantization-aware training (`specd distill --qat`) -------------------------------------------
-
-
-def prepare_qat(module: nn.Module, mode: str, skip: tuple[str, ...] = ()) -> nn.Module:
+def prepare_qat(module: nn.Module, mode: str) -> nn.Module:
     """Fake-quantize, in place, the trainable linears of `module` as `mode` will run them
     (torchao QAT): training then sees the int8 rounding and learns around it. In "mixed" mode
-    only MLP projections; linears whose name contains one of `skip` stay as they are."""
+    only MLP projections. Frozen linears (a draft's borrowed LM head) stay as they are."""
     check_mode(mode)
     if mode == "none":
         return module
@@ -119,7 +118,7 @@ def prepare_qat(module: nn.Module, mode: str, skip: tuple[str, ...] = ()) -> nn.
     mlp = ("gate_proj", "up_proj", "down_proj")
 
     def wanted(m: nn.Module, name: str) -> bool:
-        return (isinstance(m, nn.Linear) and m.weight.requires_grad and not any(s in name for s in skip)
+        return (isinstance(m, nn.Linear) and m.weight.requires_grad
                 and (mode != "mixed" or name.rsplit(".", 1)[-1] in mlp))
     tq.quantize_(module, tq.qat.QATConfig(activation_config=act, weight_config=weight, step="prepare"),
                  filter_fn=wanted)

@@ -49,13 +49,15 @@ class DraftDeployment:
 
     def __init__(self, model: str, dtype: str, spec: str, max_batch: int, max_len: int, torch_threads: int = 1,
                  lease_s: float = 600.0, overlap: bool = False, branches: int = 3, device: str = "auto",
-                 name: str | None = None, quant: str = "none"):
-        from actors.build import draft_mode, load_target, make_drafter
+                 name: str | None = None, quant: str = "none", prepack: str = "auto"):
+        from actors.build import draft_mode, load_target, make_drafter, with_prepack
         from actors.quant import quantize_drafter
 
         torch.set_num_threads(torch_threads)
-        target = load_target(model, dtype, max_batch, device, decode_only=True)[0]
+        target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)[0]
         drafter = quantize_drafter(make_drafter(spec, target, max_batch, max_len), draft_mode(spec, quant))
+        if getattr(drafter, "runner", None) is not None:
+            with_prepack(drafter.runner, prepack)
         self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
         self.node = node_id()
         self.metrics = DraftMetrics(name or spec, kv=self._kv)
@@ -87,7 +89,8 @@ def build_app(cfg: ClusterConfig):
                        request_router_config=RequestRouterConfig(
                            request_router_class="cluster.routing.PinnedRouter")))
         drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads,
-                                  d.lease_s, d.overlap, d.overlap_branches, cfg.device, d.name, d.quant)
+                                  d.lease_s, d.overlap, d.overlap_branches, cfg.device, d.name, d.quant,
+                                  cfg.prepack)
     verifier = serve.deployment(VerifierServer).options(
         **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls

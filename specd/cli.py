@@ -50,6 +50,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's layer math (opt-in)")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
+    p.add_argument("--prepack", default="auto", choices=["auto", "on", "off"],
+                   help="CPU: weights in oneDNN's prepacked layout (auto: bf16 only, bit-identical there)")
     p.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="the target's int8 mode (torchao). LOSSY: output differs from the unquantized target")
     p.add_argument("--draft-quant", default="none", choices=QUANT_MODES,
@@ -277,7 +279,8 @@ def _generate(args) -> int:
 
     messages = json.loads(args.messages_json) if args.messages_json else None
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=args.num_beams, max_len=args.max_len,
-                         device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant)
+                         device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
+                         prepack=args.prepack)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -357,7 +360,7 @@ def _bench(args) -> int:
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
                              hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device,
                              trees=tuple(int(x) for x in args.tree_budgets.split(",") if x),
-                             quant=args.quant, draft_quant=args.draft_quant)
+                             quant=args.quant, draft_quant=args.draft_quant, prepack=args.prepack)
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))
@@ -486,7 +489,8 @@ def _demo_local(args) -> int:
     from actors.text import encode_prompt
 
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len,
-                         device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant)
+                         device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
+                         prepack=args.prepack)
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft

@@ -140,15 +140,15 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
               max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
               hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto",
               trees: tuple[int, ...] = (), tree_depth: int = 6, quant: str = "none",
-              draft_quant: str = "none") -> dict:
+              draft_quant: str = "none", prepack: str = "auto") -> dict:
     """trees: node budgets at which every tree-capable draft also runs as a token tree (depth
     at most tree_depth); each is a configuration "engine+SPEC tree:N". quant, draft_quant: the
-    target's and the drafts' int8 modes (`actors/quant.py`)."""
+    target's and the drafts' int8 modes (`actors/quant.py`); prepack: see `actors.build.with_prepack`."""
     from tqdm import tqdm
 
     prompts = load_prompts(prompts_path)[:limit]
     built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device, quant=quant,
-                         draft_quant=draft_quant)
+                         draft_quant=draft_quant, prepack=prepack)
     eng, target = built.engine, built.target
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
@@ -235,7 +235,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
 
     prof = step_profile(built, ids[0])
     report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason, "quant": quant,
-              "draft_quant": draft_quant,
+              "draft_quant": draft_quant, "prepacked": eng.info.get("prepacked"),
               "hardware": eng.info.get("hardware"), "gamma": gamma, "max_tokens": max_tokens,
               "prompts": len(ids), "threads": torch.get_num_threads(), "results": results,
               "verify_cost": verify_costs(eng.target), "decode_step_profile": prof,

@@ -335,3 +335,60 @@ def test_compacting_an_accepted_path_equals_feeding_it(tiny):
     cache2.truncate(0, start + 1 + len(accepted))
     bad = runner.logits(runner.forward(cache2, [0], torch.tensor([nxt])))[0]
     assert not torch.allclose(bad, ref, atol=1e-3)
+
+
+def _prefill_and_step(runner: LlamaRunner, toks: torch.Tensor) -> torch.Tensor:
+    """Logits of a 2-row prefill, a 5-token pass and a 1-token pass, concatenated [rows, 12, V]."""
+    cache = runner.new_cache(2, 64)
+    out = [runner.logits(runner.forward(cache, [0, 1], toks[:, :6]))]
+    out.append(runner.logits(runner.forward(cache, [0, 1], toks[:, 6:11])))
+    out.append(runner.logits(runner.forward(cache, [0, 1], toks[:, 11:12])))
+    return torch.cat(out, 1).float()
+
+
+def test_prepacked_weights_compute_what_plain_ones_do():
+    """bf16: oneDNN's prepacked linear is the kernel F.linear runs, minus the per-call reorder, so
+    every logit is bit-identical (what lets prepack 'auto' be on by default). fp32: a different
+    kernel than MKL's, equal to float32 rounding. Int8 (torchao) weights are left alone; a GPU or
+    an already packed runner is not packed again."""
+    from actors.build import with_prepack
+    from actors.quant import quantize_runner
+
+    toks = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.bfloat16, torch.float32):
+        model = build_tiny(0, dtype)
+        plain, packed = LlamaRunner(model), with_prepack(LlamaRunner(model), "on")
+        assert packed.prepacked and all(l.wqkv.is_mkldnn and l.w_down.is_mkldnn for l in packed.layers)
+        assert packed.lm_head.is_mkldnn and not plain.layers[0].wqkv.is_mkldnn
+        a, b = _prefill_and_step(plain, toks), _prefill_and_step(packed, toks)
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b)
+        else:
+            assert_close(a, b, SAME_KERNELS_ATOL)
+        assert with_prepack(LlamaRunner(model), "auto").prepacked == (dtype == torch.bfloat16)
+        assert not with_prepack(LlamaRunner(model), "off").prepacked
+    mixed = with_prepack(quantize_runner(LlamaRunner(build_tiny(0, torch.bfloat16)), "mixed"), "on")
+    assert mixed.layers[0].wqkv.is_mkldnn and not mixed.layers[0].w_down.is_mkldnn  # int8 MLP stays torchao
+    _prefill_and_step(mixed, toks)
+    with pytest.raises(ValueError, match="prepack must be one of"):
+        with_prepack(LlamaRunner(build_tiny(0)), "yes")
+
+
+def test_engine_prepacks_bf16_by_default_and_keeps_its_output():
+    """build_engine's prepack 'auto': a bf16 target and its model drafts run prepacked, an fp32
+    one does not; the bf16 engine's speculative greedy output is token for token the one it
+    gives with prepack off (and the calibration is keyed apart: a packed pass costs less)."""
+    from actors.build import build_engine
+    from actors.schema import Request, SamplingParams, SpeculationParams
+
+    def outputs(prepack: str, dtype: str = "bf16"):
+        built = build_engine("tiny", ["truncated:2"], dtype, max_batch=2, max_len=128, device="cpu", prepack=prepack)
+        eng = built.engine
+        reqs = [Request(f"r{i}", [5, 9, 33, 2 + i], SamplingParams(max_tokens=24, ignore_eos=True),
+                        SpeculationParams(draft="truncated:2", gamma=4)) for i in range(2)]
+        return eng, [c.token_ids for c in eng.generate(reqs)]
+    on, out_on = outputs("auto")
+    off, out_off = outputs("off")
+    assert on.info["prepacked"] and on.drafters["truncated:2"].runner.prepacked and not off.info["prepacked"]
+    assert out_on == out_off
+    assert not outputs("auto", "fp32")[0].info["prepacked"]
