@@ -4,12 +4,14 @@
 
 Three parts, in one process, every timing interleaved with its comparisons:
   1. kernels   the target's pass cost t(B, T) for B rows of T new tokens (`calibrate.measure`)
-               with fp32, bf16 and bf16 + each int8 mode of `actors/quant.py`: what a
-               multi-token pass costs against a one-token pass (the price of verifying γ
-               drafts), and what each weight format costs per decode step;
+               with fp32 and bf16 weights, plain (F.linear: MKL for fp32, oneDNN reordering
+               the weight in every call for bf16) and prepacked (`LlamaRunner.prepack`), and
+               bf16 + each int8 mode of `actors/quant.py`: what a multi-token pass costs
+               against a one-token pass (the price of verifying γ drafts), and what each weight
+               format costs per decode step;
   2. drafts    one draft step (`calibrate.draft_step_seconds`) of the draft in bf16, int8
                (weight-only, post-training) and, when given, a QAT head (`specd distill --qat`);
-  3. the table rows: the target in bf16 and each int8 mode; per row γ=0 (the target alone)
+  3. the table rows: the target in bf16 (plain and prepacked) and each int8 mode; per row γ=0 (the target alone)
                and each draft at a fixed γ, greedy at batch 1 on the calibration prompts (half
                chat, half code), prompt by prompt round-robin over every configuration:
                  tokens/s and its ratio to bf16 γ=0; α = accepted / drafted; tokens per pass;
@@ -81,11 +83,11 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
           progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from actors.build import draft_mode, make_drafter
+    from actors.build import draft_mode, make_drafter, with_prepack
     from actors.engine import SpecEngine
     from actors.llama import LlamaRunner
     from actors.models import load_model
-    from actors.quant import check_mode, quantize_drafter, quantize_runner
+    from actors.quant import _torchao, check_mode, quantize_drafter, quantize_runner
 
     from .tune import calibration_prompts
 
@@ -93,13 +95,20 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
         check_mode(m)
         if m == "none":
             raise ValueError("--modes lists int8 modes; the unquantized target is always the reference")
+    _torchao()  # imported quietly before transformers imports it loudly
     target = load_model(model, dtype)
     prompts = calibration_prompts(target.tokenizer, prompts_path, limit)
     max_len = max(map(len, prompts)) + max_tokens + 64
-    ref_runner = LlamaRunner(target.model)
-    formats = {dtype: ref_runner, **{f"{dtype}+{m}": quantize_runner(LlamaRunner(target.model), m) for m in modes}}
-    if dtype != "fp32":  # fp32 too: the format a CPU without native bf16 may prefer
-        formats = {"fp32": LlamaRunner(load_model(model, "fp32").model), **formats}
+    ref_runner = LlamaRunner(target.model)  # plain weights: the reference for agreement and NLL
+    # weight formats: plain and prepacked (`LlamaRunner.prepack`), then each int8 mode (prepacked
+    # where it leaves dense weights of a dtype that packs by default: mixed's attention in bf16)
+    models = {"fp32": load_model(model, "fp32").model} if dtype != "fp32" else {}  # fp32: AVX2 CPUs may prefer it
+    models[dtype] = target.model
+    formats = {}
+    for name, m in models.items():
+        formats[name] = LlamaRunner(m) if name != dtype else ref_runner
+        formats[f"{name}+prepacked"] = with_prepack(LlamaRunner(m), "on")
+    formats.update({f"{dtype}+{m}": with_prepack(quantize_runner(LlamaRunner(target.model), m)) for m in modes})
 
     # 1. kernels: every format's pass-cost grid, the formats interleaved rep by rep
     bar = tqdm(total=reps * len(formats), desc="pass costs", disable=not progress)
@@ -120,7 +129,12 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
     ctx = prompts[0][:64]
     with torch.inference_mode():
         hid = ref_runner.forward(ref_runner.new_cache(1, len(ctx) + 8), [0], torch.tensor([ctx]))[0, :-1]
-    probe = {k: quantize_drafter(make_drafter(spec, target, 1, max_len), m) for k, (spec, m) in draft_kinds.items()}
+    def drafter(spec: str, mode: str):  # as an engine would build it (prepack 'auto' on what int8 leaves dense)
+        d = quantize_drafter(make_drafter(spec, target, 1, max_len), mode)
+        if getattr(d, "runner", None) is not None:
+            with_prepack(d.runner)
+        return d
+    probe = {k: drafter(spec, m) for k, (spec, m) in draft_kinds.items()}
     step = {k: [] for k in probe}
     for _ in range(3):
         for k, d in probe.items():
@@ -129,10 +143,9 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
 
     # 3. the table: one engine per target format, each draft kind in it, prompts round-robin
     engines = {}
-    for tname in [dtype] + [f"{dtype}+{m}" for m in modes]:
+    for tname in [dtype, f"{dtype}+prepacked"] + [f"{dtype}+{m}" for m in modes]:
         runner = formats[tname]
-        drafters = {k: quantize_drafter(make_drafter(spec, target, 1, max_len), m)
-                    for k, (spec, m) in draft_kinds.items()}
+        drafters = {k: drafter(spec, m) for k, (spec, m) in draft_kinds.items()}
         engines[tname] = SpecEngine(runner, drafters, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,
                                     max_batch=1, max_len=max_len, pass_cost=costs[tname])
     configs = [(t, d) for t in engines for d in (None, *draft_kinds)]
@@ -247,16 +260,20 @@ def render(rep: dict) -> str:
 
 
 def verdict(rep: dict) -> list[str]:
+    """Each int8 target against the unquantized one as it runs by default (prepacked where that
+    exists), prepacking against plain weights, each int8 draft against the unquantized draft."""
     dt = rep["dtype"]
     plain = {r["target"]: r["tokens_per_s"] for r in rep["table"] if r["draft"] == "none"}
     pc = rep["pass_cost"]
+    base = f"{dt}+prepacked" if f"{dt}+prepacked" in plain else dt
     out = []
     for name, tps in plain.items():
+        ref = dt if name == base else base
         if name == dt:
             continue
-        step = _ms(pc[name], 1, 1) / _ms(pc[dt], 1, 1)
-        out.append(f"  target {name}: decode step {step:.2f}x the {dt} one, tokens/s {tps / plain[dt]:.2f}x -> "
-                   + ("faster" if tps > plain[dt] * 1.02 else "slower" if tps < plain[dt] * 0.98 else "no change"))
+        step = _ms(pc[name], 1, 1) / _ms(pc[ref], 1, 1)
+        out.append(f"  target {name}: decode step {step:.2f}x the {ref} one, tokens/s {tps / plain[ref]:.2f}x -> "
+                   + ("faster" if tps > plain[ref] * 1.02 else "slower" if tps < plain[ref] * 0.98 else "no change"))
     ds = rep["draft_step_s"]
     for k in ds:
         if k != dt:

@@ -130,12 +130,13 @@ def test_quant_study_fills_the_table_and_quantized_drafts_keep_the_output(tmp_pa
 
     rep = study("tiny", "fp32", "truncated:1", None, 3, ("int8-weight",), None, 2, 12, reps=1, progress=False)
     rows = {(r["target"], r["draft"]): r for r in rep["table"]}
-    assert set(rows) == {(t, d) for t in ("fp32", "fp32+int8-weight") for d in ("none", "fp32", "int8")}
+    targets = ("fp32", "fp32+prepacked", "fp32+int8-weight")
+    assert set(rows) == {(t, d) for t in targets for d in ("none", "fp32", "int8")}
     ref = rows["fp32", "none"]
     for d in ("fp32", "int8"):
         assert rows["fp32", d]["identical_share"] == 1.0 and rows["fp32", d]["nll"] == pytest.approx(ref["nll"])
         assert rows["fp32", d]["drafted"] > 0
-    assert set(rep["pass_cost"]) == {"fp32", "fp32+int8-weight"} and set(rep["draft_step_s"]) == {"fp32", "int8"}
+    assert set(rep["pass_cost"]) == set(targets) and set(rep["draft_step_s"]) == {"fp32", "int8"}
     text = render(rep)
     assert "Verdict" in text and "fp32+int8-weight" in text
     plot(rep, tmp_path / "q.png")
