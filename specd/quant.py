@@ -230,8 +230,8 @@ def _ms(pc: dict, b: int, t: int) -> float | None:
 def render(rep: dict) -> str:
     hw = rep["hardware"]
     dt = rep["dtype"]
-    lines = [f"specd quant: {rep['model']} on {hardware_line(hw)}; torch {hw.get('torch')}, "
-             f"{rep['threads']} threads; {rep['prompts']} prompts x {rep['max_tokens']} tokens, greedy, batch 1, "
+    lines = [f"specd quant: {rep['model']} on {hardware_line(hw)}; "
+             f"{rep['prompts']} prompts x {rep['max_tokens']} tokens, greedy, batch 1, "
              f"γ={rep['gamma']}", "",
              "1. Pass cost, ms (1 row; T new tokens), and T tokens against one",
              f"{'weights':22}" + "".join(f"{'T=' + str(t):>9}" for t in TOKENS) + f"{'T=9/T=1':>9}{'8 rows':>9}"]
