@@ -84,7 +84,7 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
     from tqdm.auto import tqdm
 
     from actors.build import draft_mode, make_drafter, with_prepack
-    from actors.engine import SpecEngine
+    from actors.engine import SpecEngine, common_prefix
     from actors.llama import LlamaRunner
     from actors.models import load_model
     from actors.quant import _torchao, check_mode, quantize_drafter, quantize_runner
@@ -177,7 +177,7 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
         r["alpha"] = r["accepted"] / r["drafted"] if r["drafted"] else None
         r["tokens_per_pass"] = r["tokens"] / r["passes"] if r["passes"] else None
         r["identical_share"] = sum(o == ref for o, ref in zip(outs, reference)) / len(outs)
-        r["prefix_agreement"] = sum(_common_prefix(o, ref) / max(len(ref), 1)
+        r["prefix_agreement"] = sum(common_prefix(o, ref) / max(len(ref), 1)
                                     for o, ref in zip(outs, reference)) / len(outs)
         r["nll"] = _mean_nll(ref_runner, prompts, outs)
         table.append(r)
@@ -194,15 +194,6 @@ def _generate(eng, prompt: list[int], draft: str | None, gamma: int, max_tokens:
     [done] = eng.generate([Request("q", prompt, SamplingParams(max_tokens=max_tokens),
                                    SpeculationParams(draft=draft or "none", gamma=gamma if draft else 0))])
     return done.token_ids, done.stats
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @torch.inference_mode()
