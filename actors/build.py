@@ -22,6 +22,7 @@ from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from .llama import LlamaRunner
 from .models import LoadedModel, check_draft_compatible, load_model, resolve_device, vocab_fingerprint
+from .schema import PREPACK_CHOICES
 from .tune_profile import matching
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
@@ -67,6 +68,19 @@ def draft_mode(spec: str, asked: str = "none") -> str:
 
     check_mode(asked, "draft quant")
     return asked if asked != "none" else (draft_meta(spec) or {}).get("qat", "none")
+
+
+def ready_drafter(drafter: Drafter | None, spec: str, quant: str = "none", prepack: str = "auto") -> Drafter | None:
+    """A drafter as it serves: in its int8 mode (`draft_mode`), then, for whatever int8 left
+    dense, in the prepacked layout (`with_prepack`). Drafters without weights pass through."""
+    from .quant import quantize_drafter
+
+    if drafter is None:
+        return None
+    drafter = quantize_drafter(drafter, draft_mode(spec, quant))
+    if getattr(drafter, "runner", None) is not None:
+        with_prepack(drafter.runner, prepack)
+    return drafter
 
 
 def spec_wants_hidden(spec: str) -> bool:
@@ -137,9 +151,6 @@ class Built:
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 
 
-PREPACK_CHOICES = ("auto", "on", "off")
-
-
 def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
     """`runner` with its weights in oneDNN's prepacked layout (`LlamaRunner.prepack`) when asked:
     "on"; "auto" (the default) for bf16 only, where the result is bit-identical to F.linear (fp32
@@ -197,7 +208,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     the mode it was trained for unless draft_quant names another. prepack: the target's and the
     model drafts' weights in oneDNN's prepacked CPU layout (`with_prepack`; not with compile).
     The rest as `SpecEngine` takes them."""
-    from .quant import check_mode, quantize_drafter, quantize_runner
+    from .quant import check_mode, quantize_runner
 
     device = resolve_device(device)
     check_mode(quant)
@@ -208,18 +219,12 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():
-        d = make_drafter(spec, target, max_batch, max_len)
+        d = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, dq.get(name, "none"), prepack)
         if d is not None:
-            d = quantize_drafter(d, draft_mode(spec, dq.get(name, "none")))
-            if getattr(d, "runner", None) is not None:
-                with_prepack(d.runner, prepack)
             drafters[name] = d
     drafters.update(extra_drafters or {})
-    runner = LlamaRunner(target.model)
-    if quant != "none":
-        quantize_runner(runner, quant)
-    with_prepack(runner, prepack)
-    if quant != "none":
+    runner = with_prepack(quantize_runner(LlamaRunner(target.model), quant), prepack)
+    if quant != "none":  # load_target measured the unquantized weights
         cost = calibrated(runner, target.name, max_batch, device)
     if compile:
         runner.compile()

@@ -456,7 +456,7 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
         limit: int | None = None, progress: bool = True) -> dict:
     """Train one draft on the corpus `data` (see `read_corpus`), evaluate it on the prompts of
     `heldout`, and write its checkpoint plus `report.json` into `out`; returns the report."""
-    from .build import make_drafter
+    from .build import make_drafter, ready_drafter
     from .models import load_model
 
     cfg = cfg or DistillConfig()
@@ -510,8 +510,7 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
             "vocab_fingerprint": vocab_fingerprint(target), "head_vocab": len(vmap),
             "config": asdict(cfg), "trained_on": str(data), "domain": domain, "qat": cfg.qat}
     student.save(out, meta)
-    from .quant import quantize_drafter
-    drafter = quantize_drafter(make_drafter(str(out), target, 1, 512), cfg.qat)  # timed as it serves
+    drafter = ready_drafter(make_drafter(str(out), target, 1, 512), str(out))  # timed as it serves (a QAT head in int8)
     times = step_times(target, drafter)
     g_best = max(GAMMAS, key=lambda g: leviathan_speedup(after["all"]["alpha"], g, times["c"]))
     report = {

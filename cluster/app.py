@@ -50,14 +50,11 @@ class DraftDeployment:
     def __init__(self, model: str, dtype: str, spec: str, max_batch: int, max_len: int, torch_threads: int = 1,
                  lease_s: float = 600.0, overlap: bool = False, branches: int = 3, device: str = "auto",
                  name: str | None = None, quant: str = "none", prepack: str = "auto"):
-        from actors.build import draft_mode, load_target, make_drafter, with_prepack
-        from actors.quant import quantize_drafter
+        from actors.build import load_target, make_drafter, ready_drafter
 
         torch.set_num_threads(torch_threads)
         target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)[0]
-        drafter = quantize_drafter(make_drafter(spec, target, max_batch, max_len), draft_mode(spec, quant))
-        if getattr(drafter, "runner", None) is not None:
-            with_prepack(drafter.runner, prepack)
+        drafter = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, quant, prepack)
         self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
         self.node = node_id()
         self.metrics = DraftMetrics(name or spec, kv=self._kv)

@@ -31,6 +31,7 @@ MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLO
 
 
 QuantMode = Literal["none", "int8-weight", "int8-dynamic", "mixed"]  # actors.schema.QUANT_MODES (a test checks)
+PrepackChoice = Literal["auto", "on", "off"]  # actors.schema.PREPACK_CHOICES (the same test)
 
 
 class _Strict(BaseModel):
@@ -193,7 +194,7 @@ class ClusterConfig(_Strict):
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto' measures "
                                                    "both on the hardware at load and keeps the faster at the "
                                                    "verifier's max_batch (never a quantized target)")
-    prepack: Literal["auto", "on", "off"] = Field("auto", description="CPU: hold weights in oneDNN's prepacked "
+    prepack: PrepackChoice = Field("auto", description="CPU: hold weights in oneDNN's prepacked "
                                                   "layout (actors.build.with_prepack); 'auto': bf16 only, where "
                                                   "it is bit-identical and ~1.6x faster per pass here")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")

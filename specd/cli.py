@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 
-from actors.schema import QUANT_MODES
+from actors.schema import PREPACK_CHOICES, QUANT_MODES
 
 
 def gamma_arg(value: str) -> int | str:
@@ -50,7 +50,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's layer math (opt-in)")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
-    p.add_argument("--prepack", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--prepack", default="auto", choices=PREPACK_CHOICES,
                    help="CPU: weights in oneDNN's prepacked layout (auto: bf16 only, bit-identical there)")
     p.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="the target's int8 mode (torchao). LOSSY: output differs from the unquantized target")

@@ -83,11 +83,11 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
           progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from actors.build import draft_mode, make_drafter, with_prepack
+    from actors.build import draft_mode, make_drafter, ready_drafter, with_prepack
     from actors.engine import SpecEngine, common_prefix
     from actors.llama import LlamaRunner
     from actors.models import load_model
-    from actors.quant import _torchao, check_mode, quantize_drafter, quantize_runner
+    from actors.quant import _torchao, check_mode, quantize_runner
 
     from .tune import calibration_prompts
 
@@ -129,11 +129,8 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
     ctx = prompts[0][:64]
     with torch.inference_mode():
         hid = ref_runner.forward(ref_runner.new_cache(1, len(ctx) + 8), [0], torch.tensor([ctx]))[0, :-1]
-    def drafter(spec: str, mode: str):  # as an engine would build it (prepack 'auto' on what int8 leaves dense)
-        d = quantize_drafter(make_drafter(spec, target, 1, max_len), mode)
-        if getattr(d, "runner", None) is not None:
-            with_prepack(d.runner)
-        return d
+    def drafter(spec: str, mode: str):  # as an engine builds it
+        return ready_drafter(make_drafter(spec, target, 1, max_len), spec, mode)
     probe = {k: drafter(spec, m) for k, (spec, m) in draft_kinds.items()}
     step = {k: [] for k in probe}
     for _ in range(3):

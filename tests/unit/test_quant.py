@@ -86,9 +86,10 @@ def test_quant_reaches_the_engine_and_bad_modes_are_refused():
 
 
 def test_config_offers_the_engine_modes():
-    from cluster.config import ClusterConfig, QuantMode
+    from actors.schema import PREPACK_CHOICES
+    from cluster.config import ClusterConfig, PrepackChoice, QuantMode
 
-    assert typing.get_args(QuantMode) == MODES
+    assert typing.get_args(QuantMode) == MODES and typing.get_args(PrepackChoice) == PREPACK_CHOICES
     cfg = ClusterConfig.model_validate({"model": "tiny", "verifier": {"quant": "int8-weight"},
                                         "drafts": [{"name": "d", "spec": "truncated:1", "quant": "int8-dynamic"}]})
     assert cfg.verifier.quant == "int8-weight" and cfg.drafts[0].quant == "int8-dynamic"
