@@ -41,7 +41,7 @@ bench-cluster: $(STAMP)
 bench-beams: $(STAMP)
 	$(BIN)/specd bench --local --beams 2,4 --max-tokens 32 --json out/bench_beams.json
 
-# the seed's claims measured on the embedded target (specd/lab.py; 45 min or more here at the defaults)
+# the seed's claims measured on the embedded target (specd/lab.py; under 20 min on 2 cores)
 lab: $(STAMP)
 	$(BIN)/specd lab --out out/lab
 

@@ -215,7 +215,11 @@ class Router:
             # The time left travels as a duration: the verifier's clock need not agree with ours.
             remaining = grpc_context.time_remaining() if hasattr(grpc_context, "time_remaining") else None
             gen = _Generation()
-            gen.task = asyncio.create_task(self._pump(gen, req, remaining or None, key))
+            # Counted here, not when the task first runs: callers validated together would all pass
+            # the check above before any of their tasks started.
+            self.admitted += 1
+            gen.task = asyncio.create_task(self._pump(gen, req, remaining or None))
+            gen.task.add_done_callback(lambda _task, gen=gen, key=key: self._release(gen, key))
             if key is not None:
                 self.inflight[key] = gen
         gen.subscribers += 1
@@ -251,14 +255,22 @@ class Router:
             if gen.subscribers == 0 and not gen.done and gen.task is not None:
                 gen.task.cancel()  # last caller left: stop the generation, free its KV
 
-    async def _pump(self, gen: _Generation, req: Request, timeout_s: float | None, key: str | None) -> None:
+    def _release(self, gen: _Generation, key: str | None) -> None:
+        """A generation's task ended (finished, failed, or cancelled, even before it first ran): wake its
+        subscribers and give back its admission and its coalescing entry."""
+        gen.done = True
+        gen.changed.set()
+        self.admitted -= 1
+        if key is not None and self.inflight.get(key) is gen:
+            del self.inflight[key]
+
+    async def _pump(self, gen: _Generation, req: Request, timeout_s: float | None) -> None:
         """Run `req` on a verifier replica, appending its deltas to `gen`. When the replica is lost
         mid-stream, resume on another: the prompt plus every token streamed so far, for the
         tokens still owed (`_resume`), so the caller's stream goes on with no token lost or
         repeated. Greedy output is unchanged, and so is a seeded sampled one (its noise is keyed by
         seed and absolute position, not by the replica). Beams cannot resume mid-search (their
         hypotheses lived on the lost replica): they fail over only before their first token."""
-        self.admitted += 1
         deadline = time.monotonic() + timeout_s if timeout_s else None
         streamed: list[int] = []  # committed tokens the callers have been sent
         attempt, current, before = 0, req, 0  # before: tokens streamed before `current` started
@@ -300,12 +312,6 @@ class Router:
             raise
         except Exception as e:  # surfaced to every subscriber
             gen.error = e
-        finally:
-            gen.done = True
-            gen.changed.set()
-            self.admitted -= 1
-            if key is not None and self.inflight.get(key) is gen:
-                del self.inflight[key]
 
     @staticmethod
     def _resume(req: Request, streamed: list[int]) -> Request:

@@ -112,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="--serve/--address: pipelining on against off on one cluster and remote draft (default "
                         "truncated:4), toggled through the Verifier's Serve handle between interleaved rounds; "
                         "defaults 8 prompts, 48 tokens; writes out/bench_pipeline.json")
+    b.add_argument("--overlap-compare", action="store_true",
+                   help="--serve: a remote model draft (default truncated:4) overlapped, not overlapped and "
+                        "co-located, against speculation off, at concurrency 1 and a fixed γ (default 4), "
+                        "interleaved per prompt; defaults 8 prompts, 48 tokens, 2 rounds; writes "
+                        "out/bench_overlap.json (specd/bench/overlap.py)")
     b.add_argument("--no-inprocess", action="store_true",
                    help="--address: skip the in-process engine comparison at concurrency 1")
     b.add_argument("--no-match-niceness", action="store_true",
@@ -316,8 +321,9 @@ def _bench(args) -> int:
     if args.address or args.serve:
         from .bench import cluster as bench_cluster
 
-        args.json_path = args.json_path or ("out/bench_pipeline.json" if args.pipeline_compare
-                                            else "out/bench_cluster.json")
+        args.json_path = args.json_path or ("out/bench_pipeline.json" if args.pipeline_compare else
+                                            "out/bench_overlap.json" if args.overlap_compare else
+                                            "out/bench_cluster.json")
         return bench_cluster.main(args)
     if not args.local:
         raise ValueError("give --local (in-process engine), --address HOST:PORT (a running cluster) "

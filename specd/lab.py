@@ -1,6 +1,6 @@
 """`specd lab`: the seed's claims about speculative decoding, measured on your own target and drafts.
 
-    specd lab [--model smollm2] [--out out/lab]      45 min or more here (--limit, --max-tokens shorten it)
+    specd lab [--model smollm2] [--out out/lab]      under 20 min on 2 CPU cores (--limit, --max-tokens size it)
     specd lab --quick                                 the tiny model, under a minute (run by make test)
 
 One bounded study; every claim gets a table, a figure where a curve says more, a verdict computed
@@ -345,8 +345,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft", action="append", default=None, help="drafts to study (default: ngram, default, "
                                                                   "truncated:4; --quick: ngram, truncated:2)")
     p.add_argument("--quick", action="store_true", help="the tiny random model, small sizes: under a minute")
-    p.add_argument("--limit", type=int, default=None, help="prompts per study (default 12; --quick 4)")
-    p.add_argument("--max-tokens", type=int, default=None, help="default 48 (--quick 24)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per study (default 8; --quick 4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 32 (--quick 24)")
     p.add_argument("--out", default="out/lab")
 
 
@@ -361,8 +361,8 @@ def run(args) -> int:
     model = "tiny" if quick else args.model
     drafts = args.draft or (["ngram", "truncated:2"] if quick else
                             ["ngram"] + (["default"] if draft_meta("default") else []) + ["truncated:4"])
-    limit = args.limit or (4 if quick else 12)
-    max_tokens = args.max_tokens or (24 if quick else 48)
+    limit = args.limit or (4 if quick else 8)
+    max_tokens = args.max_tokens or (24 if quick else 32)
     if quick:
         g = torch.Generator().manual_seed(0)
         chat = [torch.randint(3, 512, (12,), generator=g).tolist() for _ in range(limit)]
@@ -389,7 +389,10 @@ def run(args) -> int:
         print(f"[specd lab {time.perf_counter() - t0:5.0f} s] {claim}: {res['verdict']}", flush=True)
         return res
 
-    cmd = f"specd lab{' --quick' if quick else ''} --out {args.out}"
+    cmd = (f"specd lab{' --quick' if quick else ''}" + (f" --limit {args.limit}" if args.limit else "")
+           + (f" --max-tokens {args.max_tokens}" if args.max_tokens else "")
+           + (f" --dtype {args.dtype}" if args.dtype != "auto" else "")
+           + "".join(f" --draft {d}" for d in args.draft or []) + f" --out {args.out}")
     res = {"model": model, "dtype": lab.built.dtype, "hardware": lab.eng.info.get("hardware"), "drafts": drafts,
            "prompts": len(prompts), "max_tokens": max_tokens}
     res["gamma"] = section("the best γ depends on α and c", lab.gamma_sweep)

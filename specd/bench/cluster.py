@@ -709,6 +709,9 @@ def main(args) -> int:
     """`specd bench --address HOST:PORT` or `specd bench --serve [--config FILE]` (specd/cli.py)."""
     if getattr(args, "pipeline_compare", False):
         return main_pipeline(args)
+    if getattr(args, "overlap_compare", False):
+        from .overlap import main as main_overlap
+        return main_overlap(args)
     started = False
     address = args.address
     config_path = args.config or LOCAL_CONFIG

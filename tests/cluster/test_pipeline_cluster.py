@@ -22,6 +22,7 @@ from specd.cli import main
 # The cluster: real Ray Serve, real gRPC, a remote draft replica
 # --------------------------------------------------------------------------- #
 DRAFT = "truncated:2"
+OVERLAPPED, COLOCATED = "truncated:2-overlap", "truncated:2-colocated"
 C_PROMPTS = ["5 6 7 8 9", "11 12 13 14", "100 200 300", "42 43 44 45 46 47", "7 77 177", "300 301"]
 C_MAX = [48, 12, 30, 64, 20, 40]
 C_DRAFTS = [DRAFT, DRAFT, DRAFT, DRAFT, "ngram", "none"]
@@ -38,7 +39,12 @@ def cluster(start_cluster, tmp_path_factory):
                    "default_draft": DRAFT},
         "verifier": {"max_batch": 8, "pipeline": True, "resources": {"custom": {"large_accel": 1}}},
         "drafts": [{"name": "ngram", "spec": "ngram"},
-                   {"name": DRAFT, "spec": DRAFT, "placement": "remote", "overlap": False, "max_batch": 16, "resources": {"custom": {"small_accel": 1}}}]}
+                   {"name": DRAFT, "spec": DRAFT, "placement": "remote", "overlap": False, "max_batch": 16,
+                    "resources": {"custom": {"small_accel": 1}}},
+                   # the other two ways `specd bench --overlap-compare` serves a model draft
+                   {"name": OVERLAPPED, "spec": DRAFT, "placement": "remote", "overlap": True, "max_batch": 4,
+                    "resources": {"custom": {"small_accel": 1}}},
+                   {"name": COLOCATED, "spec": DRAFT, "placement": "colocated"}]}
     path = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
     path.write_text(ClusterConfig.model_validate(cfg).dump())
     addr, client = start_cluster(cfg, timeout=90)
@@ -133,6 +139,33 @@ def test_bench_pipeline_compare_report(cluster, verifier, tmp_path):
     assert set(rep["greedy_agreement_across_rounds"].values()) == {1.0}  # fp32
     assert "pipelining on/off tokens/s" in render_pipeline(rep)
     assert verifier.stats.remote().result()["pipeline"] is True  # the cluster's setting is restored
+
+
+def test_bench_overlap_compare_report(cluster, tmp_path):
+    """`specd bench --overlap-compare`'s measurement against this cluster (fp32): every configuration
+    gives speculation-off's greedy tokens, only the overlapped draft answers rows from prepared
+    blocks, and only the remote ones make draft calls. Shape and sanity, never timing thresholds."""
+    from specd.bench.overlap import overlap_compare, overlap_config, render
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BENCH_PROMPTS))
+    names = {"overlapped": OVERLAPPED, "remote": DRAFT, "colocated": COLOCATED}
+    rep = overlap_compare(ADDRESS[0], names, 3, 24, prompts, 2, rounds=1, progress=False, match_niceness=False)
+    res = rep["results"]
+    assert set(res) == {"overlapped", "remote", "colocated", "off"}
+    assert rep["greedy_agreement_with_off"] == {"overlapped": 1.0, "remote": 1.0, "colocated": 1.0}
+    assert res["overlapped"]["draft"]["prepared_rows"] > 0 and res["overlapped"]["draft"]["hit_rate"] > 0
+    assert res["remote"]["draft"]["prepared_rows"] == 0 and res["remote"]["draft"]["calls"] > 0
+    assert res["colocated"]["draft"]["calls"] == 0
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in res.values())
+    assert "overlapped / non-overlapped remote" in render(rep)
+    # what --serve starts: the config's remote draft three ways, one Verifier replica
+    cfg, made = overlap_config(ClusterConfig.model_validate(
+        {"model": "tiny", "drafts": [{"name": "t", "spec": DRAFT, "placement": "remote"}]}), "t")
+    assert made == {"overlapped": "t", "remote": "t-sync", "colocated": "t-colocated"}
+    assert [(d.name, d.remote, d.overlap) for d in cfg.drafts] == [("t", True, True), ("t-sync", True, False),
+                                                                   ("t-colocated", False, True)]
+    assert cfg.verifier.autoscaling.max_replicas == 1
 
 
 def test_bench_address_report(cluster, tmp_path):

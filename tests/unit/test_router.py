@@ -7,6 +7,8 @@ in-process engine (tiny model), driven with real proto messages.
     deadline (regression: an absolute time.time() deadline, wrong under clock skew);
   * prompts are tokenized off the event loop;
   * two in-flight requests with the same request_id each get their own output;
+  * admission: of requests validated together, exactly `router.max_queue` are admitted and the rest
+    get RESOURCE_EXHAUSTED, and a generation cancelled before its task ran gives its place back;
   * health: NOT_SERVING until a verifier answers, NOT_FOUND for unknown services;
   * Abort ends one caller's stream, also of a coalesced generation, which goes on for the other;
   * bearer tokens: none, a wrong one or another scheme is UNAUTHENTICATED on every RPC.
@@ -161,6 +163,59 @@ def test_same_request_id_twice_in_flight(router, tiny, hf_greedy):
     assert b == hf_greedy(tiny.model, [9, 10, 11], 12, eos=None)
 
 
+def test_admission_counts_requests_validated_together(router, tiny, hf_greedy):
+    """Twelve distinct requests arrive at once for eight places: exactly four are refused. (Regression:
+    the place was counted when the generation's task first ran, so callers whose validation finished
+    together all passed the check and none was refused.)"""
+    prompts = [[20 + i, 21 + i, 22 + i] for i in range(12)]
+    plain = router.verifier._stream
+
+    async def held(req):  # no generation ends before every caller has had its admission answer
+        while router.admitted + router.counters["rejected_total"] < len(prompts):
+            await asyncio.sleep(0.001)
+        async for d in plain(req):
+            yield d
+    router.verifier._stream = held
+
+    async def all_at_once():
+        async def one(ids):
+            try:
+                return [t for d, _ in [x async for x in router._stream(build_request(token_ids=ids, max_tokens=6),
+                                                                        Context())] for t in d.token_ids]
+            except RpcError as e:
+                return e
+        return await asyncio.gather(*map(one, prompts))
+    out = asyncio.run(all_at_once())
+    refused = [o for o in out if isinstance(o, RpcError)]
+    assert len(refused) == 12 - 8
+    assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "router.max_queue = 8" in e.details for e in refused)
+    for ids, o in zip(prompts, out):
+        if not isinstance(o, RpcError):
+            assert o == hf_greedy(tiny.model, ids, 6, eos=None)
+    assert router.admitted == 0 and not router.inflight
+
+
+def test_generation_cancelled_before_it_ran_gives_back_its_place(router):
+    """The only caller leaves before its generation's task first runs (its body never executes):
+    the admission place and the coalescing entry are still given back, so a later identical
+    request is served instead of joining a generation that will never finish."""
+    pb = build_request(prompt="5 6 7 8", max_tokens=6)
+
+    async def go():
+        agen = router._stream(pb, Context())
+        first = asyncio.ensure_future(agen.__anext__())
+        while router.admitted == 0:  # admitted, its pump task created but not yet run
+            await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await agen.aclose()
+        for _ in range(3):
+            await asyncio.sleep(0)  # let the task's done callback run
+        assert router.admitted == 0 and not router.inflight
+        return [t for d, _ in [x async for x in router._stream(pb, Context())] for t in d.token_ids]
+    assert len(asyncio.run(go())) == 6
+
+
 def test_wire_conversion_keeps_presence(router):
     """An unset field stays unset until the schema applies the server default."""
     req = asyncio.run(router.validate(specd_pb2.GenerateRequest(prompt="4 5 6")))
@@ -216,13 +271,28 @@ def test_abort_ends_one_caller_of_a_coalesced_generation(router, tiny, hf_greedy
         a = build_request(prompt="5 6 7 8", max_tokens=24, request_id="A", gamma=0)
         b = build_request(prompt="5 6 7 8", max_tokens=24, request_id="B", gamma=0)
         got = {"A": [], "B": []}
+        # The generation pauses after two deltas until B has joined it: on a fast machine it would
+        # otherwise end, or lose its only caller to the abort, before B's prompt is tokenized.
+        joined, plain = asyncio.Event(), router.verifier._stream
+
+        async def gated(req):
+            n = 0
+            async for d in plain(req):
+                yield d
+                n += 1
+                if n == 2:
+                    await joined.wait()
+        router.verifier._stream = gated
 
         async def one(pb):
             async for d, _ in router._stream(pb, Context()):
                 got[pb.request_id].append(d)
                 if pb.request_id == "A" and len(got["A"]) == 2:
+                    while router.counters["coalesced_total"] == 0:
+                        await asyncio.sleep(0.001)
                     resp = await router.Abort(specd_pb2.AbortRequest(request_ids=["A", "nope"]), Context())
                     assert list(resp.aborted) == ["A"]
+                    joined.set()
         await asyncio.gather(one(a), one(b))
         return got
     got = asyncio.run(go())
