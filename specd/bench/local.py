@@ -98,7 +98,8 @@ def step_profile(built, prompt_ids: list[int], steps: int = 8) -> dict:
         for _ in range(steps):
             eng.step()
     eng.abort(key)
-    families = {"matmul (linear, LM head)": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
+    families = {"matmul (linear, LM head)": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
+                                             "mkldnn::_linear_pointwise"),  # prepacked weights (LlamaRunner.prepack)
                 "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::softmax"),
                 "KV cache write/read": ("aten::index_put", "aten::_index_put_impl_", "aten::index"),
                 "norms": ("aten::rms_norm", "aten::_fused_rms_norm")}
