@@ -250,6 +250,7 @@ class DraftServer:
                 self.drafter.release(sid)
                 del self.last_seen[sid]
                 self.blocks.pop(sid, None)
+                self.alpha.pop(sid, None)
                 self.expired += 1
 
     def release(self, seq_ids: list[int]) -> int:

@@ -182,6 +182,23 @@ def run_settled(eng, rep, reqs):
     return out
 
 
+def test_expiry_drops_every_trace_of_an_overlapped_sequence(tiny):
+    """An overlapped replica keeps a prepared block (with its branches) and an acceptance EMA per
+    sequence; a sequence whose verifier died must lose all of it at the lease, not only its KV."""
+    now = [0.0]
+    rep = overlapped(tiny, 2, lease_s=60.0, clock=lambda: now[0])
+    ctx = rand_tokens(8, 5)
+    first = rep.propose_batch([[DraftSeq(seq_id=1, keep=0, new_tokens=ctx, gamma=2)]])[0]
+    k = first["proposal"].num_draft[0]
+    rep.settle()
+    rep.propose_batch([[DraftSeq(seq_id=1, keep=len(ctx) + k, new_tokens=[7], gamma=2)]])
+    rep.settle()
+    assert 1 in rep.alpha and 1 in rep.blocks
+    now[0] = 61.0  # its verifier never calls again
+    rep.propose_batch([[DraftSeq(seq_id=2, keep=0, new_tokens=ctx, gamma=2)]])
+    assert rep.expired == 1 and 1 not in rep.alpha and 1 not in rep.blocks and 1 not in rep.last_seen
+
+
 @pytest.mark.parametrize("layers", [4, 2])
 def test_overlapped_drafting_is_lossless_and_hits_when_the_verdict_is_likely(tiny, refs, layers):
     """truncated:4 is the whole tiny target: every block is accepted and its bonus is the draft's
