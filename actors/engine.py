@@ -339,6 +339,8 @@ class SpecEngine:
         if self.policy is not None:
             for name, rows, sec in fl.group_s:
                 self.policy.observe_draft_time(name, max((len(fl.drafts[b]) for b in rows), default=0), sec)
+                if fl.shadow and all(fl.shadow[b] for b in rows):
+                    self.policy.observe_shadow_time(name, sec)
 
     def set_aside_shadows(self, seqs: list[Sequence], drafts: list[list[int]], shadow: list[bool]) -> list[list[int]]:
         """Shadow drafts are not verified: each is kept on its sequence, to be compared with the

@@ -65,6 +65,7 @@ class DrafterEstimate:
     acc: list[float] = field(default_factory=lambda: [0.0] * AUTO_MAX_GAMMA)  # accepted at j (decayed)
     seen: list[float] = field(default_factory=lambda: [0.0] * AUTO_MAX_GAMMA)  # reached position j (decayed)
     step_s: float | None = None  # seconds per drafted position per step (EMA); None: not measured yet
+    shadow_s: float = 0.0  # seconds of a whole shadow call (EMA): its rows, and the catch-up since the last
     gamma: int = 0  # the last choice
     steps: int = 0  # steps with rows of this drafter
     steps_on: int = 0  # of which speculated (γ > 0)
@@ -188,15 +189,17 @@ class SpeculationPolicy:
 
     def wants_shadow(self, drafter: str, free: bool) -> bool:
         """Whether the rows of an (auto, switched-off) drafter should shadow-draft this step:
-        always when drafting is free (n-gram), else within the shadow budget."""
+        always when drafting is free (n-gram), else within the shadow budget. A shadow call costs
+        what it measured (`observe_shadow_time`): every row of the batch drafts, after catching
+        up on the tokens committed since its last call, so it may cost many draft steps."""
         e = self.estimate(drafter)
         if e.gamma > 0:
             return False
         if free:
             return True
         e.since_shadow += 1
-        period = 1 if not e.step_s else math.ceil(AUTO_MAX_GAMMA * e.step_s /
-                                                   (self.shadow_budget * self.scale * self.last_pass_s))
+        call_s = max(AUTO_MAX_GAMMA * (e.step_s or 0.0), e.shadow_s)
+        period = 1 if not e.step_s else math.ceil(call_s / (self.shadow_budget * self.scale * self.last_pass_s))
         if e.since_shadow >= period:
             e.since_shadow = 0
             return True
@@ -250,6 +253,11 @@ class SpeculationPolicy:
         s = seconds / width
         e.step_s = s if e.step_s is None else 0.9 * e.step_s + 0.1 * s
 
+    def observe_shadow_time(self, drafter: str, seconds: float) -> None:
+        """One shadow call of `drafter` (all its rows shadow-drafted) took `seconds`."""
+        e = self.estimate(drafter)
+        e.shadow_s = seconds if not e.shadow_s else 0.7 * e.shadow_s + 0.3 * seconds
+
     def observe_pass(self, rows: int, tokens: int, seconds: float) -> None:
         """A measured verify pass: keeps the calibrated costs in the machine's current units."""
         self.last_pass_s = seconds
@@ -264,6 +272,7 @@ class SpeculationPolicy:
                                  "steps": e.steps, "speculated_steps": e.steps_on, "accept_curve": [round(x, 3) for x in e.accept_curve(False)[:4]],
                                  "draft_step_ms": None if e.step_s is None else e.step_s * 1e3,
                                  "shadow_drafts": e.shadow_drafts, "verified_drafts": e.verified_drafts,
+                                 "shadow_call_ms": e.shadow_s * 1e3,
                                  "tree": e.tree, "tree_accepted": {b: round(t / c, 3) for b, (t, c) in
                                                                     sorted(e.tree_len.items()) if c}}
                              for d, e in self.est.items()}}

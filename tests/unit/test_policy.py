@@ -94,6 +94,22 @@ def test_load_shrinks_gamma_on_a_machine_that_batches_into_compute():
     assert alone > 0 and loaded < alone
 
 
+def test_shadow_drafts_cost_what_they_measured_within_the_budget():
+    """A shadow call drafts every row after catching up on the tokens committed since the last
+    one, so it can cost far more than γ draft steps: the shadow period must follow the measured
+    call, keeping shadow time within its budget (2% of target time) of the steps it spans."""
+    p = SpeculationPolicy(flat())  # a one-row pass: 10 ms
+    p.observe_draft_time("d", 8, 8 * 0.0005)  # 0.5 ms per drafted position: 4 ms for γ=8
+
+    def shadows(steps: int) -> int:
+        return sum(p.wants_shadow("d", free=False) for _ in range(steps))
+    assert shadows(400) == 20  # 4 ms / (2% of 10 ms): one step in 20
+    p.observe_shadow_time("d", 0.040)  # but a real shadow call took 40 ms (its catch-up)
+    n = shadows(2000)
+    assert n == 10 and n * 0.040 <= p.shadow_budget * 2000 * p.last_pass_s * (1 + 1e-9)
+    assert p.wants_shadow("n", free=True)  # free drafting (n-gram) shadows every step
+
+
 def test_dtype_choice_follows_the_expected_batch():
     bf16 = PassCost({(b, t): 0.040 * b * t for b, t in grid(8)}, "bf16")  # no native bf16: compute-bound
     fp32 = PassCost({(b, t): 0.070 * (1 + 0.2 * (b * t - 1)) for b, t in grid(8)}, "fp32")
@@ -143,7 +159,7 @@ def test_engine_switches_off_where_it_does_not_pay_and_stays_exact(tiny, tiny_dr
     out = run(eng, [request("r", RANDOM, "other", "auto", max_tokens=60)])["r"]
     assert out.token_ids == hf_greedy(tiny.model, RANDOM, 60, eos=None)
     st = eng.policy.state()["drafters"]["other"]
-    assert st["speculated_share"] == 0 and st["shadow_drafts"] >= 1
+    assert st["speculated_share"] == 0 and st["shadow_drafts"] >= 1 and st["shadow_call_ms"] > 0
     assert out.stats.draft_tokens == 0 and out.stats.target_passes == 59
 
 
