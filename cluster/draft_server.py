@@ -244,22 +244,24 @@ class DraftServer:
             blk.branches[key] = got[:2]
         blk.done = True
 
+    def _forget(self, sid: int) -> None:
+        """Drop every piece of state held for one sequence: its draft KV and view, its lease, its
+        prepared block and its acceptance estimate (under the lock)."""
+        self.drafter.release(sid)
+        self.last_seen.pop(sid, None)
+        self.blocks.pop(sid, None)
+        self.alpha.pop(sid, None)
+
     def _expire(self, now: float) -> None:
         for sid, seen in list(self.last_seen.items()):
             if now - seen > self.lease_s:
-                self.drafter.release(sid)
-                del self.last_seen[sid]
-                self.blocks.pop(sid, None)
-                self.alpha.pop(sid, None)
+                self._forget(sid)
                 self.expired += 1
 
     def release(self, seq_ids: list[int]) -> int:
         with self._lock:
             for sid in seq_ids:
-                self.drafter.release(sid)
-                self.last_seen.pop(sid, None)
-                self.blocks.pop(sid, None)
-                self.alpha.pop(sid, None)
+                self._forget(sid)
             return self.drafter.num_active()
 
     def stats(self) -> dict:
