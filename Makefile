@@ -53,9 +53,9 @@ tune: $(STAMP)
 # int8 target and draft through torchao (specd/quant.py): pass cost per weight format, draft step, tokens/s, α,
 # agreement with and NLL under the unquantized target. Trains the QAT head once first (a 200-step QAT fine-tune
 # of the shipped head; its report compares it with the same head quantized after training)
-QAT_HEAD := out/drafts/smollm2-eagle-qat
+QAT_HEAD := out/drafts/smollm2-eagle3-qat
 quant: $(STAMP)
-	test -f $(QAT_HEAD)/specd_draft.json || $(BIN)/specd distill --kind eagle --init-from default --qat int8-weight \
+	test -f $(QAT_HEAD)/specd_draft.json || $(BIN)/specd distill --kind eagle3 --init-from default --qat int8-weight \
 		--steps 200 --lr 1e-3 --eval-every 100 --out $(QAT_HEAD)
 	$(BIN)/specd quant --qat-draft $(QAT_HEAD) --out out/quant
 

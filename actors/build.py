@@ -27,7 +27,7 @@ from .tune_profile import matching
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
 DEFAULT_DRAFT_ROOT = Path(__file__).parent / "default_drafts"
-DEFAULT_DRAFTS = {"SmolLM2-135M-Instruct": "smollm2-eagle"}
+DEFAULT_DRAFTS = {"SmolLM2-135M-Instruct": "smollm2-eagle3"}  # smollm2-eagle: the single-layer head before it
 DRAFT_META = "specd_draft.json"
 
 
@@ -83,10 +83,13 @@ def ready_drafter(drafter: Drafter | None, spec: str, quant: str = "none", prepa
     return drafter
 
 
-def spec_wants_hidden(spec: str) -> bool:
-    """Whether the draft reads the target's hidden states (a feature-level head)."""
+def spec_feature_layers(spec: str) -> tuple[int, ...]:
+    """The target features a draft reads (`Drafter.feature_layers`): empty unless it is a
+    feature-level head (single-layer heads from before fused features read the final state)."""
     meta = draft_meta(spec)
-    return bool(meta and meta.get("kind") == "eagle")
+    if not (meta and meta.get("kind") == "eagle"):
+        return ()
+    return tuple(meta.get("feature_layers", [-1]))
 
 
 def load_distilled(path: str, target: LoadedModel, max_batch: int, max_len: int) -> Drafter:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .llama import LlamaRunner, context_features
+
 FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 BATCHES = (1, 2, 4, 8, 16, 32)  # the grid, capped at the engine's max_batch (which is always included)
 TOKENS = (1, 2, 3, 5, 9)  # tokens per row: 1 + γ for γ = 0, 1, 2, 4, 8
@@ -200,12 +202,12 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
     return cost
 
 
-def draft_step_seconds(drafter, context: list[int], hidden: torch.Tensor | None = None, reps: int = 15,
+def draft_step_seconds(drafter, context: list[int], target: LlamaRunner | None = None, reps: int = 15,
                        seq_id: int = -1, rows: int = 1) -> float:
     """Median seconds of one draft step, measured through `Drafter.propose` alone: each call
     rolls the view back by one token and re-feeds it (the same catch-up every time), so
     (propose γ=3 − propose γ=1) / 2 is the marginal cost of one drafted token.
-    hidden [len(context) - 1, E]: the target's hidden states, for feature drafters.
+    target: the target runner, whose features of the context a feature drafter is handed first.
     rows: sequences drafted together in each call (ids seq_id, seq_id - 1, ...; the same context)."""
     from .drafters.base import DraftSeq
 
@@ -215,7 +217,10 @@ def draft_step_seconds(drafter, context: list[int], hidden: torch.Tensor | None 
                                   hidden_start=0) for r in range(rows)])
         return time.perf_counter() - t0
 
-    call(0, list(context), 1, hidden if drafter.wants_hidden else None)
+    if drafter.wants_hidden and target is None:
+        raise ValueError(f"draft {drafter.name!r} reads target features: pass the target runner")
+    call(0, list(context), 1, context_features(target, context, drafter.feature_layers) if drafter.wants_hidden
+         else None)
     n = len(context)
     t1, t3 = [], []
     try:

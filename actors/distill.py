@@ -43,7 +43,7 @@ from .schema import Request, SamplingParams
 from .text import encode_prompt
 
 OBJECTIVES = ("fkl", "rkl", "tv", "ntp")
-KINDS = ("eagle", "truncated:K", "small")
+KINDS = ("eagle3", "eagle", "truncated:K", "small")
 GAMMAS = tuple(range(1, 9))
 
 
@@ -54,6 +54,29 @@ class TeacherSeq:
     num_prompt: int
     domain: str
     hidden: torch.Tensor  # [L, E] the target's post-norm final hidden states (target dtype)
+    features: torch.Tensor | None = None  # [L, 3E] decoder layer outputs `data_layers(target)`
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """The target features an EAGLE-3-style head fuses: a low, a middle and a high decoder
+    layer (EAGLE-3's 2, L/2, L-3), plus the final hidden state, which the single-layer head
+    reads: a head warm-started from one begins exactly where it was."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})) + (-1,)
+
+
+def data_layers(target: LoadedModel) -> tuple[int, ...]:
+    """The decoder layers whose outputs teacher data keeps (`TeacherSeq.features`)."""
+    return eagle3_layers(target.model.config.num_hidden_layers)[:-1]
+
+
+def head_input(s: TeacherSeq, layers: tuple[int, ...], kept: tuple[int, ...]) -> torch.Tensor:
+    """A sequence's features [L, len(layers) * E] as a head reading `layers` is handed them
+    (`kept`: the layers of s.features)."""
+    if tuple(layers) == (-1,):
+        return s.hidden
+    E = s.hidden.shape[-1]
+    return torch.cat([s.hidden if i == -1 else s.features[:, kept.index(i) * E:(kept.index(i) + 1) * E]
+                      for i in layers], -1)
 
 
 def read_corpus(path: str | Path) -> list[dict]:
@@ -72,12 +95,15 @@ def read_corpus(path: str | Path) -> list[dict]:
     return rows
 
 
-def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, sampled: bool = True,
-                 temperature: float = 0.8, seed: int = 0, batch: int = 16, progress: bool = True,
+def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, samples: int = 1,
+                 temperature: float = 0.8, seed: int = 0, batch: int = 32, progress: bool = True,
                  tag: str = "") -> list[TeacherSeq]:
-    """The target's on-policy data for `rows`, cached under ~/.cache/specd/distill by content."""
+    """The target's on-policy data for `rows`: per prompt its greedy continuation and `samples`
+    sampled ones (different seeds), with the target's features; cached under
+    ~/.cache/specd/distill by content."""
     key = hashlib.sha256(json.dumps([target.name, vocab_fingerprint(target), str(_dtype(target)), rows,
-                                     max_new, sampled, temperature, seed]).encode()).hexdigest()[:16]
+                                     max_new, samples, temperature, seed, data_layers(target)]).encode()
+                         ).hexdigest()[:16]
     path = cache_dir() / "distill" / f"{tag or 'data'}-{key}.pt"
     if path.exists():
         return [TeacherSeq(**d) for d in torch.load(path, weights_only=False)]
@@ -100,10 +126,10 @@ def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, samp
             ids = encode_prompt(target.tokenizer, messages=[{"role": "user", "content": r["prompt"]}])
         else:
             ids = encode_prompt(target.tokenizer, r.get("prompt"), r.get("messages"))
-        modes = [("g", 0.0)] + ([("s", temperature)] if sampled else [])
-        for m, t in modes:
-            reqs.append(Request(f"{i}{m}", list(ids), SamplingParams(max_tokens=max_new, temperature=t,
-                                                                     seed=seed + i)))
+        for k in range(samples + 1):  # k = 0: greedy
+            t = temperature if k else 0.0
+            reqs.append(Request(f"{i}.{k}", list(ids), SamplingParams(max_tokens=max_new, temperature=t,
+                                                                      seed=seed + i + 1_000_003 * max(k - 1, 0))))
             meta.append(dom)
     bar = _bar(len(reqs), "teacher generations", progress)
     keys = {eng.add_request(r): i for i, r in enumerate(reqs)}
@@ -114,16 +140,19 @@ def teacher_data(target: LoadedModel, rows: list[dict], max_new: int = 128, samp
             bar.update(int(delta.finished))
     bar.close()
     out = list(fixed) + [(r.prompt_ids + gen[i], len(r.prompt_ids), meta[i]) for i, r in enumerate(reqs)]
-    seqs = teacher_hidden(runner, out)
+    seqs = teacher_hidden(runner, out, data_layers(target), progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save([asdict(s) for s in seqs], path)
     return seqs
 
 
-def teacher_hidden(runner: LlamaRunner, seqs: list[tuple[list[int], int, str]], batch: int = 8) -> list[TeacherSeq]:
-    """One prefill per sequence batch: the target's final hidden state at every position."""
+def teacher_hidden(runner: LlamaRunner, seqs: list[tuple[list[int], int, str]], layers: tuple[int, ...] = (),
+                   batch: int = 8, progress: bool = False) -> list[TeacherSeq]:
+    """One prefill per sequence batch: the target's final hidden state at every position, and
+    the outputs of decoder `layers`."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     res: dict[int, TeacherSeq] = {}
+    bar = _bar(len(seqs), "teacher features", progress)
     for c in range(0, len(order), batch):
         idx = order[c:c + batch]
         lens = [len(seqs[i][0]) for i in idx]
@@ -131,10 +160,13 @@ def teacher_hidden(runner: LlamaRunner, seqs: list[tuple[list[int], int, str]], 
         feed = torch.zeros(len(idx), max(lens), dtype=torch.long)
         for b, i in enumerate(idx):
             feed[b, :lens[b]] = torch.tensor(seqs[i][0])
-        h = runner.forward(cache, list(range(len(idx))), feed, lens)
+        h, f = runner.forward(cache, list(range(len(idx))), feed, lens, features=tuple(layers) + (-1,))
         for b, i in enumerate(idx):
             ids, n_prompt, dom = seqs[i]
-            res[i] = TeacherSeq(list(ids), n_prompt, dom, h[b, :lens[b]].clone())
+            res[i] = TeacherSeq(list(ids), n_prompt, dom, h[b, :lens[b]].clone(),
+                                f[b, :lens[b], :-h.shape[-1]].clone() if layers else None)
+        bar.update(len(idx))
+    bar.close()
     return [res[i] for i in range(len(seqs))]
 
 
@@ -160,9 +192,12 @@ class Student(torch.nn.Module):
         self.kind = kind
         self.register_buffer("vmap", vmap, persistent=False)
         tm = target.model
-        if kind == "eagle":
+        self.layers: tuple[int, ...] = (-1,)  # the target features the draft reads (token-level: none used)
+        if kind in ("eagle", "eagle3"):
             from .drafters.eagle import EagleHead
-            self.head = EagleHead(tm, vmap, init=(small_cfg or {}).get("eagle_init", "last"))
+            if kind == "eagle3":
+                self.layers = eagle3_layers(tm.config.num_hidden_layers)
+            self.head = EagleHead(tm, vmap, init=(small_cfg or {}).get("eagle_init", "last"), features=self.layers)
             self.token_level = False
         else:
             from transformers import LlamaConfig, LlamaForCausalLM
@@ -194,6 +229,7 @@ class Student(torch.nn.Module):
         self.float()
 
     def predict(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int, noise: float = 0.0):
+        """hidden: the target features the draft reads ([B, L, len(self.layers) * E], `head_input`)."""
         if self.token_level:
             h = self.model.model(input_ids=tokens).last_hidden_state  # [B, L, E]
             w = self.model.lm_head.weight[self.vmap]
@@ -203,7 +239,7 @@ class Student(torch.nn.Module):
 
     def save(self, out: Path, meta: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        if self.kind == "eagle":
+        if not self.token_level:
             # a QAT head keeps fp32 weights: its int8 grid was learnt on them (bf16 would move some)
             self.head.save(out, meta, dtype=torch.float32 if meta.get("qat", "none") != "none" else torch.bfloat16)
             return
@@ -241,15 +277,17 @@ def evaluate(student: Student, target: LoadedModel, seqs: list[TeacherSeq], max_
     and count how many match the target's own greedy choice (argmax of its LM head).
     by_domain: {"all": stats, domain: stats, ...} instead of one stats dict."""
     student.eval()
+    kept = data_layers(target)
     W = target.model.lm_head.weight.detach().float()
     runs: dict[str, list[int]] = {}  # accepted run length per start (capped at max_gamma), by domain
+    per_seq: list[list[int]] = []  # the same, per held-out sequence (for bootstrap errors)
     for s in seqs:
         L = len(s.ids)
         if L - s.num_prompt < max_gamma + 1:
             continue
         tokens = torch.tensor(s.ids)[None]
-        h = s.hidden.float()[None]
-        tgt = F.linear(h[0], W).argmax(-1)  # [L] the target's greedy choice after each position
+        tgt = F.linear(s.hidden.float(), W).argmax(-1)  # [L] the target's greedy choice after each position
+        h = head_input(s, student.layers, kept).float()[None]
         out = student.predict(tokens, h, max_gamma if not student.token_level else 1)
         logits = out[0]  # token-level: [B, L, R] logits; eagle: per-step list of them
         if student.token_level:
@@ -261,16 +299,48 @@ def evaluate(student: Student, target: LoadedModel, seqs: list[TeacherSeq], max_
             # Step j+1 at start p drafts the token after position p+j: compare with tgt[p+j].
             steps = [student.vmap[lg[0].argmax(-1)][: L - j] == tgt[j:] for j, lg in enumerate(logits)]
         rl = runs.setdefault(s.domain, [])
+        per_seq.append([])
         for p in range(s.num_prompt, L - max_gamma):
             a = 0
             while a < max_gamma and bool(steps[a][p]):
                 a += 1
             rl.append(a)
+            per_seq[-1].append(a)
     student.train()
     allruns = [a for r in runs.values() for a in r]
     if not by_domain:
         return _acceptance(allruns, max_gamma)
-    return {"all": _acceptance(allruns, max_gamma), **{d: _acceptance(r, max_gamma) for d, r in sorted(runs.items())}}
+    return {"all": {**_acceptance(allruns, max_gamma), "runs_per_sequence": per_seq},
+            **{d: _acceptance(r, max_gamma) for d, r in sorted(runs.items())}}
+
+
+def bootstrap_alpha(*per_seq: list[list[int]], n: int = 2000, seed: int = 0) -> dict:
+    """Standard errors of held-out α (Leviathan, γ=4) by bootstrap over held-out sequences:
+    `per_seq` from one or more reports on the same held-out set ("runs_per_sequence"), resampled
+    together (paired), so the second entry's `diff_se` is the error of α(first) − α(second)."""
+    rng = random.Random(seed)
+    m = len(per_seq[0])
+    sums = [[(sum(min(a, 4) for a in s), len(s)) for s in runs] for runs in per_seq]
+
+    def alpha(k: int, idx: list[int]) -> float:
+        tot, cnt = (sum(x) for x in zip(*(sums[k][i] for i in idx)))
+        return leviathan_alpha(1.0 + tot / max(1, cnt), 4)
+
+    draws = []
+    for _ in range(n):
+        idx = [rng.randrange(m) for _ in range(m)]
+        draws.append([alpha(k, idx) for k in range(len(per_seq))])
+
+    def sd(xs: list[float]) -> float:
+        mu = sum(xs) / len(xs)
+        return math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1))
+
+    out = {"alpha": [alpha(k, list(range(m))) for k in range(len(per_seq))],
+           "se": [sd([d[k] for d in draws]) for k in range(len(per_seq))]}
+    if len(per_seq) > 1:
+        out["diff"] = out["alpha"][0] - out["alpha"][1]
+        out["diff_se"] = sd([d[0] - d[1] for d in draws])
+    return out
 
 
 def _acceptance(runs: list[int], max_gamma: int) -> dict:
@@ -306,7 +376,7 @@ def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> 
     runner = LlamaRunner(target.model)
     cache = runner.new_cache(1, ctx + 64)
     ids = torch.randint(10, runner.vocab_size - 1, (1, ctx))
-    h = runner.forward(cache, [0], ids)  # the context, once: its KV for the target, its features for a head
+    runner.forward(cache, [0], ids)  # the context's KV
     tt = []
     tok = torch.tensor([[5]])
     for _ in range(reps):
@@ -316,7 +386,7 @@ def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> 
         tt.append(time.perf_counter() - t0)
         cache.truncate(0, ctx)
     with torch.inference_mode():
-        td = draft_step_seconds(drafter, ids[0].tolist(), h[0, :-1], reps=reps)
+        td = draft_step_seconds(drafter, ids[0].tolist(), runner, reps=reps)
     tt = sorted(tt)[len(tt) // 2]
     return {"target_step_s": tt, "draft_step_s": td, "c": td / tt}
 
@@ -324,7 +394,7 @@ def step_times(target: LoadedModel, drafter, ctx: int = 128, reps: int = 30) -> 
 # ---- training ------------------------------------------------------------------------------------
 @dataclass
 class DistillConfig:
-    kind: str = "eagle"
+    kind: str = "eagle3"
     objective: str = "fkl"
     temperature: float = 1.0
     head_vocab: int = 8192  # 0: the full vocabulary
@@ -336,6 +406,9 @@ class DistillConfig:
     reg_weight: float = 0.1  # eagle: smooth-L1 pull of predicted features toward the target's
     noise: float = 0.05  # eagle: uniform noise on input features
     eval_every: int = 0  # 0: evaluate only before and after
+    patience: int = 0  # stop once held-out α has not risen in this many evaluations (0: never)
+    minutes: float = 0.0  # stop after this much training time (0: no limit); the LR schedule
+    # runs over whichever of steps and minutes ends first, and with evaluations the best one is kept
     gen_only: bool = True  # score only generated positions (prompts are context)
     seed: int = 0
     small: dict = field(default_factory=dict)
@@ -352,46 +425,62 @@ def _batches(seqs: list[TeacherSeq], cfg: DistillConfig, rng: random.Random):
         yield from chunks
 
 
-def _collate(seqs: list[TeacherSeq], idx: list[int], max_len: int, vrow: torch.Tensor, gen_only: bool = True):
+def _collate(seqs: list[TeacherSeq], idx: list[int], max_len: int, vrow: torch.Tensor, gen_only: bool = True,
+             layers: tuple[int, ...] = (-1,), kept: tuple[int, ...] = ()):
+    """A padded batch: tokens, the final hidden states (the teacher), the draft's input features
+    (`head_input`), the scored positions and the next token as a head row."""
     L = min(max_len, max(len(seqs[i].ids) for i in idx))
     B = len(idx)
     E = seqs[idx[0]].hidden.shape[-1]
     tokens = torch.zeros(B, L, dtype=torch.long)
     hidden = torch.zeros(B, L, E)
+    inputs = hidden if tuple(layers) == (-1,) else torch.zeros(B, L, len(layers) * E)
     valid = torch.zeros(B, L, dtype=torch.bool)
     for b, i in enumerate(idx):
         s = seqs[i]
         n = min(L, len(s.ids))
         tokens[b, :n] = torch.tensor(s.ids[:n])
         hidden[b, :n] = s.hidden[:n].float()
+        if inputs is not hidden:
+            inputs[b, :n] = head_input(s, layers, kept)[:n].float()
         # Score generated positions only (prompts, with their repeated system text, stay context).
         valid[b, (s.num_prompt - 1 if gen_only else 0):n] = True
     nxt = torch.full((B, L), -1, dtype=torch.long)
     nxt[:, :-1] = torch.where(valid[:, 1:], vrow[tokens[:, 1:]], -1)
-    return tokens, hidden, valid, nxt
+    return tokens, hidden, inputs, valid, nxt
 
 
 def train(student: Student, target: LoadedModel, seqs: list[TeacherSeq], held: list[TeacherSeq],
           cfg: DistillConfig, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
+    kept = data_layers(target)
     W_R = target.model.lm_head.weight.detach().float()[student.vmap]  # [R, E] teacher rows
     vrow = torch.full((target.model.config.vocab_size,), -1, dtype=torch.long)
     vrow[student.vmap] = torch.arange(len(student.vmap))
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(1, cfg.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, cfg.steps) / cfg.steps)))
     history, curve = [], []
+    best = (-1.0, 0, None)  # (held-out α, step, state) of the best evaluation
     batches = _batches(seqs, cfg, rng)
     bar = _bar(cfg.steps, f"distill {student.kind} ({cfg.objective})", progress)
     t0 = time.perf_counter()
+    eval_s = 0.0  # evaluations do not count against the time budget
+    stop = ""
     student.train()
     for step in range(1, cfg.steps + 1):
-        tokens, hidden, valid, nxt = _collate(seqs, next(batches), cfg.max_len, vrow, cfg.gen_only)
+        done = max((step - 1) / cfg.steps, (time.perf_counter() - t0 - eval_s) / (60 * cfg.minutes) if cfg.minutes
+                   else 0.0)
+        if done >= 1.0:
+            stop = f"time budget of {cfg.minutes:g} min"
+            break
+        for g in opt.param_groups:  # warm-up, then a cosine over the budget
+            g["lr"] = cfg.lr * min(1.0, step / warm) * 0.5 * (1 + math.cos(math.pi * done))
+        tokens, hidden, inputs, valid, nxt = _collate(seqs, next(batches), cfg.max_len, vrow, cfg.gen_only,
+                                                      student.layers, kept)
         t_logits = F.linear(hidden, W_R)  # [B, L, R] teacher at every position
-        out = student.predict(tokens, hidden, cfg.ttt_steps, cfg.noise)
+        out = student.predict(tokens, inputs, cfg.ttt_steps, cfg.noise)
         s_logits, feats = (out, None) if student.token_level else out
         total, weight = 0.0, 0.0
         for j, sl in enumerate(s_logits):  # step j+1 at p is scored against the teacher at p+j
@@ -410,32 +499,47 @@ def train(student: Student, target: LoadedModel, seqs: list[TeacherSeq], held: l
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
         curve.append(loss.item())
         bar.update(1)
         bar.set_postfix(loss=f"{curve[-1]:.3f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            te = time.perf_counter()
             ev = evaluate(student, target, held)
+            eval_s += time.perf_counter() - te
             history.append({"step": step, "alpha": ev["alpha"], "alpha_1": ev["alpha_per_position"][0],
-                            "seconds": time.perf_counter() - t0})
+                            "seconds": time.perf_counter() - t0 - eval_s})
             bar.write(f"step {step}: held-out α {ev['alpha']:.3f} (first position {ev['alpha_per_position'][0]:.3f})")
+            if ev["alpha"] > best[0]:
+                best = (ev["alpha"], step, copy.deepcopy(student.state_dict()))
+            elif cfg.patience and step - best[1] >= cfg.patience * cfg.eval_every:
+                stop = f"held-out α not above {best[0]:.3f} (step {best[1]}) in {cfg.patience} evaluations"
+                break
     bar.close()
-    return {"train_s": time.perf_counter() - t0, "loss_curve": curve, "checkpoints": history}
+    kept_step = len(curve)
+    if best[2] is not None and cfg.eval_every:
+        final = evaluate(student, target, held)["alpha"]
+        if final < best[0]:  # the last state is worse than an earlier evaluation: keep that one
+            student.load_state_dict(best[2])
+            kept_step = best[1]
+    return {"train_s": time.perf_counter() - t0 - eval_s, "loss_curve": curve, "checkpoints": history,
+            "steps_run": len(curve), "kept_step": kept_step, "stopped": stop or f"{cfg.steps} steps"}
 
 
 def _init_from(cfg: DistillConfig, target: LoadedModel) -> Student:
-    """A student holding a `specd distill` EAGLE checkpoint's weights and head vocabulary."""
+    """A student holding a `specd distill` EAGLE checkpoint's weights and head vocabulary (an
+    `eagle3` student may start from a single-layer head: it then begins as that head)."""
     from .build import draft_meta, resolve_draft
     from .drafters.eagle import EagleHead
 
     path = resolve_draft(cfg.init_from, target.name)
     meta = draft_meta(path) or {}
-    if cfg.kind != "eagle" or meta.get("kind") != "eagle":
-        raise ValueError(f"--init-from takes an EAGLE checkpoint for --kind eagle; {cfg.init_from!r} is "
+    if cfg.kind not in ("eagle", "eagle3") or meta.get("kind") != "eagle":
+        raise ValueError(f"--init-from takes an EAGLE checkpoint for --kind eagle or eagle3; {cfg.init_from!r} is "
                          f"{meta.get('kind', 'not a specd distill checkpoint')}")
     if meta.get("vocab_fingerprint") != vocab_fingerprint(target):
         raise ValueError(f"--init-from {cfg.init_from!r} was trained for another vocabulary")
-    head = EagleHead.load(path, target.model)
+    student = Student(cfg.kind, target, torch.arange(1), cfg.small)
+    head = EagleHead.load(path, target.model, features=student.layers)
     student = Student(cfg.kind, target, head.vocab_map, cfg.small)
     student.head = head
     return student.float()
@@ -453,7 +557,7 @@ def _bar(total: int, desc: str, enabled: bool):
 # ---- one run -------------------------------------------------------------------------------------
 def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out: str | Path = "out/draft",
         domain: str | None = None, cfg: DistillConfig | None = None, max_new: int = 128, dtype: str = "bf16",
-        limit: int | None = None, progress: bool = True) -> dict:
+        limit: int | None = None, progress: bool = True, samples: int = 1, data_only: bool = False) -> dict:
     """Train one draft on the corpus `data` (see `read_corpus`), evaluate it on the prompts of
     `heldout`, and write its checkpoint plus `report.json` into `out`; returns the report."""
     from .build import make_drafter, ready_drafter
@@ -474,11 +578,15 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
     for r in held_rows:
         r.setdefault("domain", r.get("kind", "general"))
     t0 = time.perf_counter()
-    train_seqs = teacher_data(target, rows, max_new=max_new, sampled=True, seed=cfg.seed, progress=progress,
+    train_seqs = teacher_data(target, rows, max_new=max_new, samples=samples, seed=cfg.seed, progress=progress,
                               tag="train")
-    held = teacher_data(target, held_rows, max_new=max_new, sampled=False, seed=1234, progress=progress,
+    held = teacher_data(target, held_rows, max_new=max_new, samples=0, seed=1234, progress=progress,
                         tag="heldout")
     data_s = time.perf_counter() - t0
+    if data_only:
+        return {"train_sequences": len(train_seqs), "train_tokens": sum(len(s.ids) for s in train_seqs),
+                "generated_tokens": sum(len(s.ids) - s.num_prompt for s in train_seqs),
+                "heldout_sequences": len(held), "samples_per_prompt": samples, "data_s": data_s}
     if domain:  # the teacher data is shared by all runs on this corpus; a domain draft uses its part
         train_seqs = [s for s in train_seqs if s.domain == domain]
         if not train_seqs:
@@ -521,6 +629,8 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
         "before": before, "after": after, "data_s": data_s, "train_s": tr["train_s"],
         "wall_s": time.perf_counter() - t_start, "checkpoints": tr["checkpoints"],
         "loss_first": tr["loss_curve"][:5], "loss_last": tr["loss_curve"][-5:],
+        "steps_run": tr["steps_run"], "kept_step": tr["kept_step"], "stopped": tr["stopped"],
+        "samples_per_prompt": samples,
         **times,
         "predicted_speedup": {g: leviathan_speedup(after["all"]["alpha"], g, times["c"]) for g in GAMMAS},
         "best_gamma": g_best, "checkpoint": str(out),
@@ -542,7 +652,8 @@ def render(report: dict) -> str:
     b, a = report["before"]["all"], report["after"]["all"]
     lines = [f"draft {report['kind']} ({report['objective']}, T={report['config']['temperature']}) "
              f"for {report['target']}: {report['train_sequences']} sequences / {report['train_tokens']} tokens, "
-             f"{report['config']['steps']} steps, train {report['train_s']:.0f} s, data {report['data_s']:.0f} s",
+             f"{report.get('steps_run', report['config']['steps'])} steps, train {report['train_s']:.0f} s, "
+             f"data {report['data_s']:.0f} s",
              f"head vocabulary {report['head_vocab']} (covers {report['heldout_token_coverage']:.1%} of held-out "
              f"generated tokens); held-out positions {a['positions']}",
              "", f"{'':24}" + "".join(f"{g:>7}" for g in GAMMAS)]
@@ -552,6 +663,13 @@ def render(report: dict) -> str:
     lines.append(f"{'tokens/pass, after':24}" + "".join(f"{a['mean_accepted_length'][g]:7.2f}" for g in GAMMAS))
     lines.append(f"{'predicted speedup':24}" + "".join(f"{report['predicted_speedup'][g]:7.2f}" for g in GAMMAS))
     lines += ["", f"held-out α (Leviathan, from tokens/pass at γ=4): before {b['alpha']:.3f}, after {a['alpha']:.3f}"]
+    if "stopped" in report:
+        lines.append(f"trained {report['steps_run']} steps (stopped: {report['stopped']}); kept the state of step "
+                     f"{report['kept_step']}; teacher data: greedy + {report['samples_per_prompt']} sampled "
+                     f"continuation(s) per prompt")
+    for c in report.get("checkpoints", []):
+        lines.append(f"  step {c['step']:5}  {c['seconds'] / 60:5.1f} min  held-out α {c['alpha']:.3f} "
+                     f"(first position {c['alpha_1']:.3f})")
     if report["config"].get("qat", "none") != "none":
         lines.append(f"QAT {report['config']['qat']}: both evaluated under that fake quantization, so 'before' is "
                      f"the {report['config'].get('init_from') or 'initial'} head quantized after training (PTQ)")

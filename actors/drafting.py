@@ -70,8 +70,22 @@ class Flight:
         self.wait_s = self.done_at - t0
 
 
+def feature_union(drafters) -> tuple[int, ...]:
+    """Every target feature layer some drafter reads: decoder layers in order, then -1 (final)."""
+    layers = {i for d in drafters for i in d.feature_layers}
+    return tuple(sorted(i for i in layers if i >= 0)) + ((-1,) if -1 in layers else ())
+
+
+def feature_columns(kept: tuple[int, ...], wanted: tuple[int, ...], width: int) -> torch.Tensor | None:
+    """Columns of a [.., len(kept) * width] feature row that hold `wanted`, in its order (None: all)."""
+    if tuple(wanted) == tuple(kept):
+        return None
+    return torch.cat([torch.arange(kept.index(i) * width, (kept.index(i) + 1) * width) for i in wanted])
+
+
 def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter],
-           hidden_buf: torch.Tensor | None, asynchronous: bool, trees: list[int] | None = None) -> Flight:
+           hidden_buf: torch.Tensor | None, asynchronous: bool, trees: list[int] | None = None,
+           features: tuple[int, ...] = ()) -> Flight:
     """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none), as a
     token tree of at most trees[b] nodes where that is > 0.
     asynchronous: asynchronous drafters only send their calls; otherwise every drafter
@@ -84,7 +98,10 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0)
     for name, rows in groups.items():
         drafter = drafters[name]
-        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0)
+        cols = None
+        if drafter.wants_hidden:
+            cols = feature_columns(features, drafter.feature_layers, hidden_buf.shape[-1] // len(features))
+        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0, cols)
                  for b in rows]
         tg = time.perf_counter()
         if asynchronous or not drafter.asynchronous:
@@ -100,15 +117,16 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
 
 
 def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None,
-               tree: int = 0) -> DraftSeq:
+               tree: int = 0, cols: torch.Tensor | None = None) -> DraftSeq:
     p = s.req.sampling
     ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
                   tree=tree, threshold=s.req.speculation.threshold or 0.0)
     if wants_hidden:
         ds.hidden_start = s.hid_sent
-        ds.hidden = hidden_buf[s.slot, s.hid_sent:s.hid_len].clone()  # [n, E]
-        ds.hidden_history = hidden_buf[s.slot, :s.hid_len]  # for a lost drafter's re-prefill
+        pick = (lambda t: t) if cols is None else (lambda t: t[:, cols.to(t.device)])  # noqa: E731
+        ds.hidden = pick(hidden_buf[s.slot, s.hid_sent:s.hid_len]).clone()  # [n, F * E]
+        ds.hidden_history = pick(hidden_buf[s.slot, :s.hid_len])  # for a lost drafter's re-prefill
         s.hid_sent = s.hid_len
     s.draft_keep = len(s.tokens)  # the drafter's view is now committed + its drafts
     return ds

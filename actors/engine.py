@@ -32,7 +32,7 @@ import torch
 from .beam import BeamGroup, BeamSearch, advance
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
-from .drafting import Flight, launch
+from .drafting import Flight, feature_union, launch
 from .llama import LlamaRunner, TreeMask
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
@@ -89,11 +89,13 @@ class SpecEngine:
         self.tv_log: list | None = None  # set to [] to record (request key, position, TV) per lossy-ruled position
         self._noise_gen = new_generator(target.device)  # coupled sampling, re-seeded per position
         self.info: dict = {"dtype": str(target.dtype).replace("torch.", "")}  # what it runs on, and why
-        # Target hidden states of committed tokens, per slot, for feature-level drafters
-        # (EAGLE heads): they reach the drafter with the rollback information.
-        self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, target.hidden_size, dtype=target.dtype,
-                                       device=target.device)
-                           if any(d.wants_hidden for d in self.drafters.values()) else None)  # [S, P, E]
+        # Target features of committed tokens, per slot, for feature-level drafters (EAGLE
+        # heads): every layer any of them reads (`features`), concatenated; they reach each
+        # drafter, cut to its own layers, with the rollback information.
+        self.features = feature_union(self.drafters.values())
+        self.hidden_buf = (torch.zeros(max_batch, max_len + KV_HEADROOM, len(self.features) * target.hidden_size,
+                                       dtype=target.dtype, device=target.device)
+                           if self.features else None)  # [S, P, F * E]
         self.micro = MicroBatches(on=pipeline)
         self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
 
@@ -113,8 +115,9 @@ class SpecEngine:
         if drafter is None:
             self.drafters.pop(name, None)
         else:
-            if drafter.wants_hidden and self.hidden_buf is None:
-                raise ValueError(f"drafter {name!r} reads hidden states: build the engine with it")
+            if not set(drafter.feature_layers) <= set(self.features):
+                raise ValueError(f"drafter {name!r} reads target features {drafter.feature_layers}, this engine "
+                                 f"keeps {self.features}: build the engine with it")
             self.drafters[name] = drafter
         gammas = {n: self.limits.drafts.get(n, default_gamma) for n in self.drafters}
         self.limits = Limits(context=self.limits.context, max_tokens=self.limits.max_tokens,
@@ -237,10 +240,10 @@ class SpecEngine:
             nums = [n for _, n in grp]
             W = max(nums)
             feed = torch.tensor([s.tokens[s.prefilled:s.prefilled + n] + [0] * (W - n) for s, n in grp])  # [B, W]
-            hidden = self.target.forward(self.cache, [s.slot for s, _ in grp], feed.to(self.device), nums)  # [B, W, E]
+            hidden, feats = self._forward([s.slot for s, _ in grp], feed.to(self.device), nums)  # [B, W, E]
             for b, (s, n) in enumerate(grp):
-                if self.hidden_buf is not None:
-                    self._keep_hidden(s, hidden[b, :n])
+                if feats is not None:
+                    self._keep_hidden(s, feats[b, :n])
                 s.prefilled += n
                 if s.decoding:
                     done.append(s)
@@ -326,7 +329,7 @@ class SpecEngine:
         trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
                  else self.policy.tree_for(s.draft) if s.req.auto_gamma and self.policy is not None else 0
                  for b, s in enumerate(seqs)]
-        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees)
+        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees, self.features)
         fl.shadow = shadow
         if asynchronous:
             for s in seqs:
@@ -391,8 +394,8 @@ class SpecEngine:
             tree = TreeMask.from_parents([parents.get(b, list(range(len(drafts[b])))) for b in range(B)], G + 1,
                                          self.device)
         starts = [self.cache.lengths[s.slot] for s in seqs]
-        hidden = self.target.forward(self.cache, [s.slot for s in seqs], feed, [len(d) + 1 for d in drafts],
-                                     tree=tree)  # [B, G+1, E]
+        hidden, feats = self._forward([s.slot for s in seqs], feed, [len(d) + 1 for d in drafts],
+                                      tree=tree)  # [B, G+1, E]
         logits = self.target.logits(hidden).float()  # [B, G+1, V]
 
         # Chains: accept the longest acceptable prefix (`sampling` rules).
@@ -459,8 +462,8 @@ class SpecEngine:
             # KV now holds [.., last, d_1..d_k] (in feed order); keep [.., last, the accepted path].
             self.cache.compact(s.slot, starts[b], [0] + path)
             self.cache.truncate(s.slot, starts[b] + 1 + a)
-            if self.hidden_buf is not None:
-                self._keep_hidden(s, hidden[b, [0] + path])
+            if feats is not None:
+                self._keep_hidden(s, feats[b, [0] + path])
             if drafts[b] and b not in parents:
                 s.draft_keep += a  # drafter view: committed + k drafts, of which a survive
             depth = max(_depths(parents[b])) if b in parents else None
@@ -474,7 +477,7 @@ class SpecEngine:
         if groups:
             row = {id(s): b for b, s in enumerate(seqs)}
             for g in groups.values():
-                self._beam_advance(g, [row[id(m)] for m in g.members], logits, hidden, starts, drafts, parents,
+                self._beam_advance(g, [row[id(m)] for m in g.members], logits, feats, starts, drafts, parents,
                                    outputs)
                 g.leader.stats.draft_s += max(draft_s[row[id(m)]] for m in g.members)
                 g.leader.stats.verify_s += t2 - t1
@@ -606,8 +609,15 @@ class SpecEngine:
             out[rb] = -1
             out[rb, :g + 1] = s_out
 
+    def _forward(self, slots: list[int], feed: torch.Tensor, nums: list[int], tree=None):
+        """The target pass: (final hidden states [B, T, E], the drafters' features [B, T, F * E]
+        or None when no drafter reads any)."""
+        if not self.features:
+            return self.target.forward(self.cache, slots, feed, nums, tree=tree), None
+        return self.target.forward(self.cache, slots, feed, nums, tree=tree, features=self.features)
+
     def _keep_hidden(self, s: Sequence, h: torch.Tensor) -> None:
-        """Append the target's hidden states [n, E] of newly committed tokens (all but the last one)."""
+        """Append the target's features [n, F * E] of newly committed tokens (all but the last one)."""
         self.hidden_buf[s.slot, s.hid_len:s.hid_len + len(h)] = h
         s.hid_len += len(h)
 
@@ -630,7 +640,7 @@ class SpecEngine:
         if g.search.done:
             self._beam_finish(g, outputs)
 
-    def _beam_advance(self, g: BeamGroup, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor,
+    def _beam_advance(self, g: BeamGroup, rows: list[int], logits: torch.Tensor, feats: torch.Tensor | None,
                       starts: list[int], drafts: list[list[int]], parents: dict[int, list[int]],
                       outputs: dict[int, Delta]) -> None:
         """After a pass: take every beam step the drafts allow (`beam.advance`), then rebuild each
@@ -670,8 +680,8 @@ class SpecEngine:
                 self.cache.truncate(m.slot, n + 1 + len(a.nodes))
         for j, a in enumerate(adv):
             m, b = mem[owner[j]], rows[owner[j]]
-            if self.hidden_buf is not None:
-                self._keep_hidden(m, hidden[rows[a.origin], [0] + a.nodes])
+            if feats is not None:
+                self._keep_hidden(m, feats[rows[a.origin], [0] + a.nodes])
             new = old[a.origin] + a.tokens
             chain = drafts[b] if b not in parents else []  # the drafter's view of m: old + its chain
             m.draft_keep = min(m.draft_keep + len(chain), common_prefix(old[owner[j]] + chain, new))

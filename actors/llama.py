@@ -199,7 +199,7 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: list[int], tokens: torch.Tensor | None,
                 num_new: list[int] | None = None, embeds: torch.Tensor | None = None,
-                tree: "TreeMask | None" = None) -> torch.Tensor:
+                tree: "TreeMask | None" = None, features: tuple[int, ...] = ()):
         """Run `tokens` for each row's slot, append their K/V, return final hidden states.
 
         slots: B distinct slot indices. tokens: int64 [B, T]; row b's first
@@ -213,6 +213,9 @@ class LlamaRunner:
         token t sits at RoPE position lengths + depth[t] and attends to the cached context and
         to the new tokens its ancestor mask allows (its KV still goes to slot position
         lengths + t, in feed order; `KVCache.compact` moves an accepted path together).
+        features, when given, also returns the features a feature-level draft reads, as
+        (hidden, feats): feats [B, T, len(features) * E] concatenates, in order, the output of
+        decoder layer i (the residual stream) for each i >= 0 and the final hidden state for -1.
         """
         B, T = tokens.shape if embeds is None else embeds.shape[:2]
         assert len(slots) == B, f"{len(slots)} slots for {B} rows"
@@ -251,6 +254,7 @@ class LlamaRunner:
         sin = self.sin[rope_pos][:, :, None, :]
         H, Hkv = self.n_heads, self.n_kv
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
+        taps = {}
         for li, w in enumerate(self.layers):
             q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin)  # [B, T, *, D]
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
@@ -262,9 +266,18 @@ class LlamaRunner:
                 q.transpose(1, 2).to(kc.dtype), keys.transpose(1, 2), vals.transpose(1, 2),
                 attn_mask=mask, enable_gqa=Hkv != H)  # [B, H, T, D]
             x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down)
+            if li in features:
+                taps[li] = x
         for s, n in zip(slots, num_new):
             cache.lengths[s] += n
-        return _rms_norm(x, self.norm, self.eps)
+        out = _rms_norm(x, self.norm, self.eps)
+        if not features:
+            return out
+        taps[-1] = out
+        missing = [i for i in features if i not in taps]
+        if missing:
+            raise ValueError(f"features {missing}: this runner has layers 0..{self.num_layers - 1} (-1: final)")
+        return out, torch.cat([taps[i] for i in features], -1)
 
     def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin):
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated."""
@@ -326,6 +339,14 @@ class LlamaRunner:
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def context_features(runner: LlamaRunner, context: list[int], features: tuple[int, ...]) -> torch.Tensor:
+    """The features `features` (see `LlamaRunner.forward`) of context[:-1], from one prefill in a
+    scratch cache: what a feature-level draft has been handed when it drafts after `context`."""
+    with torch.inference_mode():
+        ids = torch.tensor([context], device=runner.device)
+        return runner.forward(runner.new_cache(1, len(context) + 1), [0], ids, features=features)[1][0, :-1]
 
 
 def prepack_available() -> bool:

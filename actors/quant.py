@@ -97,9 +97,10 @@ def quantize_drafter(drafter, mode: str):
     if mode == "none" or runner is None:
         return drafter
     quantize_runner(runner, mode)
-    fc = getattr(drafter, "fc", None)  # an EAGLE head's input projection [E, 2E]
-    if fc is not None and mode != "mixed":
-        drafter.fc = quantize_weight(fc, mode)
+    if mode != "mixed":  # an EAGLE head's input projection [E, 2E] and layer fusion [E, F E]
+        for name in ("fc", "fuse"):
+            if getattr(drafter, name, None) is not None:
+                setattr(drafter, name, quantize_weight(getattr(drafter, name), mode))
     return drafter
 
 

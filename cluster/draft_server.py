@@ -327,9 +327,9 @@ class RemoteDrafter(Drafter):
     asynchronous = True
     RETRIES = 3
 
-    def __init__(self, handle, name: str, wants_hidden: bool = False):
+    def __init__(self, handle, name: str, feature_layers: tuple[int, ...] = ()):
         self.handle, self.name = handle, name
-        self.wants_hidden = wants_hidden  # the replicas run a feature-level head
+        self.feature_layers = tuple(feature_layers)  # the replicas run a feature-level head reading these
         self.pins: dict[int, str] = {}  # seq_id -> draft replica holding its KV
         self.mirror: dict[int, list[int]] = {}  # what that replica's view should be
         self.resyncs = self.full_rows = self.prepared_rows = 0

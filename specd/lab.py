@@ -144,8 +144,7 @@ class Lab:
             alpha = fit_alpha(rows[g_fit]["tokens_per_pass"], g_fit)
             ctx = self.prompts[0] + rows[g_fit]["outputs"][0][:8]
             with torch.inference_mode():
-                step = draft_step_seconds(self.eng.drafters[d], ctx[:max(2, len(ctx))],
-                                          self._hidden(ctx) if self.eng.drafters[d].wants_hidden else None, reps=5)
+                step = draft_step_seconds(self.eng.drafters[d], ctx[:max(2, len(ctx))], self.eng.target, reps=5)
             c = step / cost(1, 1)
             meas = {g: rows[g]["tokens_per_s"] / base["tokens_per_s"] for g in gammas}
             lev = {g: leviathan(alpha, g, c) for g in gammas}
@@ -167,13 +166,6 @@ class Lab:
                             "Leviathan's (which assumes a free verify pass) for "
                           + f"{sum(v['best_measured'] == v['best_leviathan'] for v in ds.values())}/{len(ds)}")
         return out
-
-    def _hidden(self, ctx: list[int]) -> torch.Tensor:
-        from actors.llama import LlamaRunner
-
-        r = LlamaRunner(self.built.target.model)
-        with torch.inference_mode():
-            return r.forward(r.new_cache(1, len(ctx) + 1), [0], torch.tensor([ctx]))[0, :-1]
 
     def entropy_split(self, draft: str) -> dict:
         self.eng.entropy_log = []

@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the unquantized target's dtype")
     p.add_argument("--draft", default="default", help="the draft to quantize post-training (default: the shipped head)")
     p.add_argument("--qat-draft", default=None,
-                   help="a head trained with `specd distill --qat` (default: out/drafts/smollm2-eagle-qat if present)")
+                   help="a head trained with `specd distill --qat` (default: out/drafts/smollm2-eagle3-qat if present)")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--modes", default=",".join(m for m in QUANT_MODES if m != "none"),
                    help="the target's int8 modes to compare with the unquantized target")
@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     qat = args.qat_draft
-    if qat is None and Path("out/drafts/smollm2-eagle-qat/specd_draft.json").exists() and args.model == "smollm2":
-        qat = "out/drafts/smollm2-eagle-qat"
+    if qat is None and Path("out/drafts/smollm2-eagle3-qat/specd_draft.json").exists() and args.model == "smollm2":
+        qat = "out/drafts/smollm2-eagle3-qat"
     rep = study(args.model, args.dtype, args.draft, qat, args.gamma, tuple(m for m in args.modes.split(",") if m),
                 args.prompts, args.limit, args.max_tokens, args.reps)
     out = Path(args.out)
@@ -127,15 +127,13 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
     if qat_draft:
         draft_kinds["qat-int8"] = (qat_draft, draft_mode(qat_draft))
     ctx = prompts[0][:64]
-    with torch.inference_mode():
-        hid = ref_runner.forward(ref_runner.new_cache(1, len(ctx) + 8), [0], torch.tensor([ctx]))[0, :-1]
     def drafter(spec: str, mode: str):  # as an engine builds it
         return ready_drafter(make_drafter(spec, target, 1, max_len), spec, mode)
     probe = {k: drafter(spec, m) for k, (spec, m) in draft_kinds.items()}
     step = {k: [] for k in probe}
     for _ in range(3):
         for k, d in probe.items():
-            step[k].append(draft_step_seconds(d, ctx, hid if d.wants_hidden else None))
+            step[k].append(draft_step_seconds(d, ctx, ref_runner))
     draft_step = {k: min(v) for k, v in step.items()}
 
     # 3. the table: one engine per target format, each draft kind in it, prompts round-robin

@@ -16,7 +16,12 @@ For each draft, on the hardware at hand (`calibrate.hardware()`: GPU name, or CP
               propose fewer than γ (n-gram: none without a match); rows drawn independently, so
               P(W ≤ w) = P(min(k, γ) ≤ w)^B. d(γ) = γ · s_B for a chain, TREE_DRAFT_STEPS · depth · s_B
               for a tree (the speculation policy's model). With a_j = α for every j, E(γ) is
-              Leviathan's (1 - α^(γ+1)) / (1 - α).
+              Leviathan's (1 - α^(γ+1)) / (1 - α). An engine step costs more than its pass and
+              its drafting (logits to host, acceptance, per-row bookkeeping, a drafter's
+              catch-up on accepted tokens): o(B, W) is fitted by least squares to what the
+              calibration runs' steps (plain decoding at every batch size, the drafting runs
+              below) cost beyond t(B, 1 + W) + d, as o0 + o1·B + o2·[drafting] + o3·B·W, and added
+              to every step's time.
   3. check    the prediction against a short empirical sweep: real greedy generation at every γ and
               tree budget, on the same prompts, interleaved prompt chunk by prompt chunk, each chunk's
               time the least of --rounds runs (other load on the machine only slows a run down; the
@@ -90,12 +95,57 @@ class DraftRecord:
                    for w in range(gamma + 1))
 
 
-def predict_tps(cost: PassCost, rec: DraftRecord | None, rows: int, gamma: int, draft_s: float) -> float:
+    def expected_width(self, rows: int, gamma: int) -> float:
+        """E[W], W = max over rows of min(k, γ): the widest draft of a step."""
+        m = max(1, len(self.drafted))
+        cdf = [sum(min(k, gamma) <= w for k in self.drafted) / m for w in range(gamma + 1)]
+        cdf[-1] = 1.0
+        return sum(w * (cdf[w] ** rows - (cdf[w - 1] ** rows if w else 0.0)) for w in range(gamma + 1))
+
+
+@dataclass
+class StepOverhead:
+    """What an engine step costs beyond its target pass and its drafting, in seconds, fitted to
+    the calibration runs' steps (see the module docstring): o0 + o1·B + o2·drafting + o3·B·W."""
+    coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    steps: int = 0  # steps the fit saw
+
+    def __call__(self, rows: int, width: float, drafting: bool) -> float:
+        o0, o1, o2, o3 = self.coef
+        return max(0.0, o0 + o1 * rows + o2 * drafting + o3 * rows * width)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, bool, float]]) -> "StepOverhead":
+        """samples: (rows, widest draft W, drafting, seconds beyond pass and drafting) per step."""
+        if len(samples) < 5:
+            return cls()
+        x = torch.tensor([[1.0, b, float(d), b * w] for b, w, d, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[s] for *_, s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y).solution[:, 0].tolist()
+        return cls(tuple(coef), len(samples))
+
+
+def predict_tps(cost: PassCost, rec: DraftRecord | None, rows: int, gamma: int, draft_s: float,
+                overhead: StepOverhead | None = None) -> float:
     """Tokens/s of `rows` rows drafting up to γ tokens (or tree nodes) each, `draft_s` seconds of
-    drafting per step: rows · E(γ) / (E[t(rows, 1 + W)] + draft_s). γ = 0 (rec None): plain decoding."""
+    drafting per step: rows · E(γ) / (E[t(rows, 1 + W)] + draft_s + o(rows, E[W])). γ = 0 (rec None):
+    plain decoding."""
+    o = overhead or StepOverhead()
     if rec is None or gamma == 0:
-        return rows / cost(rows, 1)
-    return rows * rec.expected_tokens(gamma) / (rec.expected_pass_s(cost, rows, gamma) + draft_s)
+        return rows / (cost(rows, 1) + o(rows, 0, False))
+    return rows * rec.expected_tokens(gamma) / (rec.expected_pass_s(cost, rows, gamma) + draft_s
+                                               + o(rows, rec.expected_width(rows, gamma), True))
+
+
+def per_rows(step_s: dict[int, float], rows: int) -> float:
+    """A draft's cost per position at `rows` rows, interpolated between the measured batch sizes."""
+    pts = sorted(step_s.items())
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if rows <= b1:
+            return s0 + (s1 - s0) * (rows - b0) / (b1 - b0)
+    return pts[-1][1] * rows / pts[-1][0]
 
 
 # ------------------------------------------------------------------------------------ measurement
@@ -105,26 +155,36 @@ def config_name(gamma: int, tree: int) -> str:
     return f"tree:{tree}" if tree else f"γ={gamma}"
 
 
-def run_logged(eng, reqs: list[Request]) -> tuple[int, DraftRecord]:
-    """Generate to completion; (tokens generated, (drafted, accepted) per row and verify step)."""
+def run_logged(eng, reqs: list[Request], steps: list | None = None) -> tuple[int, DraftRecord]:
+    """Generate to completion; (tokens generated, (drafted, accepted) per row and verify step).
+    steps, when given, gets (rows, widest draft, seconds) of every step once all rows decode."""
     keys = {eng.add_request(r) for r in reqs}
+    started: set[int] = set()  # rows that have produced a token (their prefill is done)
     last: dict[int, tuple[int, int, int]] = {}  # key -> (passes, drafted, accepted) so far
     rec, tokens = DraftRecord([], []), 0
     while keys:
+        decoding = len(started) == len(reqs)
+        t0 = time.perf_counter()
         out = eng.step()
+        dt = time.perf_counter() - t0
         stats = {k: eng.active[k].stats for k in keys if k in eng.active}
         for k, d in out.items():
             tokens += len(d.token_ids)
+            started.add(k)
             if d.finished and k in keys:
                 stats[k] = d.stats
                 keys.discard(k)
+        widest, rows = 0, 0
         for k, st in stats.items():
             now = (st.target_passes, st.draft_tokens, st.accepted_tokens)
             prev = last.get(k, (0, 0, 0))
             if now[0] > prev[0]:  # one verify step of this row
                 rec.drafted.append(now[1] - prev[1])
                 rec.accepted.append(now[2] - prev[2])
+                widest, rows = max(widest, now[1] - prev[1]), rows + 1
             last[k] = now
+        if steps is not None and decoding and rows:
+            steps.append((rows, widest, dt))
     return tokens, rec
 
 
@@ -227,25 +287,35 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
                                 progress=lambda: grid_bar.update(1)))
     grid_bar.close()
     cal_bar = tqdm(desc="acceptance", unit=" req", disable=not progress,
-                   total=len(prompts) * sum(1 + len(trees[d]) for d in drafts))
+                   total=len(prompts) * (1 + sum(1 + len(trees[d]) for d in drafts)))
+    plain_steps: list = []  # (rows, widest, seconds) of plain decoding steps, for the overhead fit
+    for bs in batches:  # every batch size: what the overhead costs per row
+        for i in range(0, len(prompts), bs):
+            chunk = prompts[i:i + bs]
+            run_logged(eng, requests(chunk, drafts[0], 0, 0, max_tokens), plain_steps)
+            cal_bar.update(len(chunk) / len(batches))
     measured: dict[str, dict] = {}
     for d in drafts:
         drafter = eng.drafters[d]
         ctx = prompts[0]
-        hidden = _hidden(eng, ctx) if drafter.wants_hidden else None
         with torch.inference_mode():
-            step_s = {bs: draft_step_seconds(drafter, ctx, hidden, reps=5, rows=bs) for bs in batches}
+            step_s = {bs: draft_step_seconds(drafter, ctx, eng.target, reps=5, rows=bs) for bs in batches}
         recs: dict[int, DraftRecord] = {}
+        samples = [(b, w, False, s - cost(b, 1)) for b, w, s in plain_steps]
         for n in [0] + trees[d]:  # 0: the chain at the policy's longest γ
             rec = DraftRecord([], [])
+            steps: list = []
             for i in range(0, len(prompts), max(batches)):
                 chunk = prompts[i:i + max(batches)]
-                rec_i = run_logged(eng, requests(chunk, d, TREE_DEPTH if n else AUTO_MAX_GAMMA, n, max_tokens))[1]
+                rec_i = run_logged(eng, requests(chunk, d, TREE_DEPTH if n else AUTO_MAX_GAMMA, n, max_tokens),
+                                   steps)[1]
                 rec.drafted += rec_i.drafted
                 rec.accepted += rec_i.accepted
                 cal_bar.update(len(chunk))
             recs[n] = rec
-        measured[d] = {"step_s": step_s, "records": recs}
+            positions = TREE_DRAFT_STEPS * TREE_DEPTH if n else AUTO_MAX_GAMMA
+            samples += [(b, w, True, s - cost(b, 1 + w) - positions * per_rows(step_s, b)) for b, w, s in steps]
+        measured[d] = {"step_s": step_s, "records": recs, "overhead": StepOverhead.fit(samples)}
     cal_bar.close()
 
     # 2. predict
@@ -256,7 +326,8 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
         for d, g, n in configs:
             m = measured[d]
             draft_s = (TREE_DRAFT_STEPS * TREE_DEPTH if n else g) * m["step_s"][bs]
-            predicted[bs, d, g, n] = predict_tps(cost, m["records"][n] if g else None, bs, n or g, draft_s)
+            predicted[bs, d, g, n] = predict_tps(cost, m["records"][n] if g else None, bs, n or g, draft_s,
+                                                 m["overhead"])
 
     # 3. check: the empirical sweep
     bar = tqdm(desc="sweep", unit=" req", total=rounds * len(prompts) * len(configs) * len(batches),
@@ -295,21 +366,19 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
         paths = [str(save(prof, out / f"profile-{_slug(d)}.json"))]
         if store:
             paths.append(str(save(prof, store_path(key))))
+        o = m["overhead"]
         report["drafts"][d] = {"accept": prof.accept, "accepted_at": chain.accepted_at(AUTO_MAX_GAMMA),
                                "verify_steps": len(chain.accepted), "step_s": m["step_s"], "tree": prof.tree,
+                               "step_overhead": {"coef": list(o.coef), "steps": o.steps,
+                                                 "ms": {bs: {"plain": 1e3 * o(bs, 0, False),
+                                                             "drafting_w4": 1e3 * o(bs, 4, True)}
+                                                        for bs in batches}},
                                "rows": rows, "by_batch": by_batch, "profiles": paths}
     report["wall_s"] = time.perf_counter() - t_start
     (out / "tune.json").write_text(json.dumps(report, indent=2))
     (out / "tune.txt").write_text(render(report))
     plot(report, out / "tune.png")
     return report
-
-
-def _hidden(eng, ctx: list[int]) -> torch.Tensor:
-    """The target's final hidden states over ctx[:-1] (what a feature-level draft reads)."""
-    r = eng.target
-    with torch.inference_mode():
-        return r.forward(r.new_cache(1, len(ctx) + 1), [0], torch.tensor([ctx], device=r.device))[0, :-1]
 
 
 def _slug(spec: str) -> str:
@@ -356,6 +425,11 @@ def render(report: dict) -> str:
                   + "draft ms per position by batch " + ", ".join(f"{b}: {s * 1e3:.2f}" for b, s in v["step_s"].items())
                   + ("; tree accepted path " + ", ".join(f"{n}: {x:.2f}" for n, x in v["tree"].items())
                      if v["tree"] else ""))
+        if "step_overhead" in v:
+            con.print(f"{d}: engine step overhead beyond pass + drafting (fitted over "
+                      f"{v['step_overhead']['steps']} steps), ms plain / drafting at W=4: "
+                      + ", ".join(f"B={b} {x['plain']:.1f} / {x['drafting_w4']:.1f}"
+                                  for b, x in v["step_overhead"]["ms"].items()))
         con.print(f"{d}: profiles {', '.join(v['profiles'])}")
     return con.export_text()
 

@@ -45,10 +45,10 @@ class DraftSeq:
     # Stop proposing once the draft's probability for its next token (for a tree: a node's
     # cumulative path probability) falls below this (0: never).
     threshold: float = 0.0
-    # Target final hidden states for committed tokens, for feature-level drafters
-    # (EAGLE-style heads): hidden[i] belongs to token view[hidden_start + i]. Only
-    # filled when the drafter sets `wants_hidden`.
-    hidden: torch.Tensor | None = None  # [n, E]
+    # Target features for committed tokens, for feature-level drafters (EAGLE-style heads):
+    # hidden[i] belongs to token view[hidden_start + i] and holds the layers the drafter names
+    # in `feature_layers`, concatenated. Only filled for such drafters.
+    hidden: torch.Tensor | None = None  # [n, len(feature_layers) * E]
     hidden_start: int = 0
     # Verifier-local: every committed token's hidden state so far (all but the last token), for
     # re-prefilling a feature-level drafter that lost its state. Never sent to a draft replica.
@@ -77,7 +77,9 @@ class Drafter(ABC):
     """Proposes draft tokens for a batch of sequences.
 
     Optional capabilities, declared as class attributes:
-      wants_hidden  it reads the target's hidden states of committed tokens (DraftSeq.hidden)
+      feature_layers the target features it reads for committed tokens (DraftSeq.hidden):
+                    decoder layer outputs i >= 0 and the final hidden state -1, in this
+                    order; empty for drafters that read tokens only (`wants_hidden` False)
       asynchronous  `propose_async` returns before the drafts exist (they are computed
                     elsewhere, e.g. on a draft replica), so the engine can overlap them with
                     a target pass; otherwise it proposes in the calling thread.
@@ -87,10 +89,15 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
-    wants_hidden: bool = False
+    feature_layers: tuple[int, ...] = ()
     asynchronous: bool = False
     free_drafting: bool = False
     tree_drafting: bool = False
+
+    @property
+    def wants_hidden(self) -> bool:
+        """It reads the target's features of committed tokens (DraftSeq.hidden)."""
+        return bool(self.feature_layers)
 
     @abstractmethod
     def propose(self, seqs: list[DraftSeq]) -> Proposal:

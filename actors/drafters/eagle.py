@@ -8,6 +8,12 @@ norm turn that into a predicted feature f_p ~ h_p, and the target's own LM head
 x_{p+1}. Drafting further feeds the head its own prediction: the input at p+1
 is fc([embed(draft), f_p]).
 
+An EAGLE-3-style head (`features` naming several target layers, e.g. a low, a middle
+and the final one) reads, for real positions, fuse([norm(h^low), norm(h^mid), h^final])
+instead of h alone: one linear map over the concatenated layers, learnt with the rest.
+Drafted positions still read the head's own feature f, so training unrolls several
+drafting steps on the head's own predictions (training-time test).
+
 The target hands over hidden states only for committed tokens (the verifier
 passes them with the rollback information, `DraftSeq.hidden`), so the head's
 KV for a position fed with a predicted feature is always recomputed from the
@@ -60,13 +66,28 @@ class EagleHead(nn.Module):
     can serve it unchanged; training runs its own forward over the same weights.
     """
 
-    def __init__(self, target_hf, vocab_map: torch.Tensor, init: str = "last"):
+    def __init__(self, target_hf, vocab_map: torch.Tensor, init: str = "last", features: tuple[int, ...] = (-1,)):
         super().__init__()
         from transformers import LlamaForCausalLM
 
         cfg = target_hf.config
         self.shell = LlamaForCausalLM(_shell_config(cfg, len(vocab_map)))
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.features = tuple(int(i) for i in features)
+        if not self.features or any(i < -1 or i >= cfg.num_hidden_layers for i in self.features):
+            raise ValueError(f"feature layers {features}: each must be -1 (final) or in [0, "
+                             f"{cfg.num_hidden_layers - 1}]")
+        # EAGLE-3: fuse several target layers into the one feature the head reads. Starts as
+        # "read the final hidden state" when that is among them (the single-layer head's input).
+        self.fuse = None
+        if self.features != (-1,):
+            E = cfg.hidden_size
+            self.fuse = nn.Linear(len(self.features) * E, E, bias=False)
+            with torch.no_grad():
+                if -1 in self.features:
+                    self.fuse.weight.zero_()
+                    i = self.features.index(-1)
+                    self.fuse.weight[:, i * E:(i + 1) * E].copy_(torch.eye(E))
         self.register_buffer("vocab_map", vocab_map.clone().long(), persistent=False)
         tgt = target_hf.model
         if init not in ("last", "random"):
@@ -97,8 +118,16 @@ class EagleHead(nn.Module):
         self.H, self.Hkv, self.D, self.eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
 
     # ---- weights ----------------------------------------------------------------------------
+    def fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target features [..., F * E] (layers `features`) as the one feature [..., E] the
+        head reads: each decoder layer's residual stream RMS-normalised (their scales differ by
+        orders of magnitude), the final hidden state as it is, then mixed by `fuse`."""
+        return fuse_features(hidden, self.features, None if self.fuse is None else self.fuse.weight, self.eps)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         sd = {"fc.weight": self.fc.weight}
+        if self.fuse is not None:
+            sd["fuse.weight"] = self.fuse.weight
         for k, v in self.shell.model.layers[0].state_dict().items():
             sd[f"layer.{k}"] = v
         sd["norm.weight"] = self.shell.model.norm.weight
@@ -112,16 +141,25 @@ class EagleHead(nn.Module):
         tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in self.trainable_state().items()}
         tensors["vocab_map"] = self.vocab_map.clone()
         save_file(tensors, str(path / HEAD_FILE))
-        (path / META_FILE).write_text(json.dumps({**meta, "kind": "eagle"}, indent=2))
+        (path / META_FILE).write_text(json.dumps({**meta, "kind": "eagle", "feature_layers": list(self.features)},
+                                                 indent=2))
 
     @classmethod
-    def load(cls, path: str | Path, target_hf) -> "EagleHead":
+    def load(cls, path: str | Path, target_hf, features: tuple[int, ...] | None = None) -> "EagleHead":
+        """A saved head; `features` overrides the checkpoint's own layers (a single-layer head
+        loaded as the start of a fused one: its `fuse` then begins as "read the final state")."""
         from safetensors.torch import load_file
 
         t = load_file(str(Path(path) / HEAD_FILE))
-        head = cls(target_hf, t.pop("vocab_map"))
+        saved = tuple(json.loads((Path(path) / META_FILE).read_text()).get("feature_layers", [-1]))
+        head = cls(target_hf, t.pop("vocab_map"), features=features or saved)
         dt = next(target_hf.parameters()).dtype
         with torch.no_grad():
+            if "fuse.weight" in t:
+                w = t.pop("fuse.weight")
+                if head.fuse is None or head.fuse.weight.shape != w.shape:
+                    raise ValueError(f"draft {path!r} fuses target layers {saved}, not {head.features}")
+                head.fuse.weight.copy_(w)
             head.fc.weight.copy_(t.pop("fc.weight"))
             head.shell.model.norm.weight.copy_(t.pop("norm.weight"))
             head.shell.model.layers[0].load_state_dict({k[len("layer."):]: v for k, v in t.items()})
@@ -142,7 +180,7 @@ class EagleHead(nn.Module):
                noise: float = 0.0) -> list[torch.Tensor]:
         """Training-time test: draft `steps` tokens ahead from every position at once.
 
-        tokens [B, L] (the sequence), hidden [B, L, E] (the target's features for it).
+        tokens [B, L] (the sequence), hidden [B, L, F * E] (the target's features for it).
         Step 1 at position p reads the real h_{p-1}, as at inference; step j reads the
         head's own feature from step j-1 and the (teacher-forced) token x_{p+j-1}, and
         attends to the real keys at positions <= p plus its own chain of j-1 drafted keys.
@@ -155,7 +193,8 @@ class EagleHead(nn.Module):
         H, Hkv, D = self.H, self.Hkv, self.D
         rep = H // Hkv
         dt = self.fc.weight.dtype
-        prev = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1).to(dt)  # h_{p-1}
+        g = self.fused(hidden.to(dt))
+        prev = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1)  # h_{p-1}
         if noise > 0:
             prev = prev + (torch.rand_like(prev) - 0.5) * 2 * noise
         pos = torch.arange(L, device=tokens.device)
@@ -199,17 +238,29 @@ class EagleHead(nn.Module):
         return F.linear(feat, self.head_w.to(feat.dtype))
 
 
+def fuse_features(hidden: torch.Tensor, layers: tuple[int, ...], weight: torch.Tensor | None,
+                  eps: float) -> torch.Tensor:
+    """See `EagleHead.fused`; weight None: a single-layer head (the features pass unchanged)."""
+    if weight is None:
+        return hidden
+    parts = hidden.split(hidden.shape[-1] // len(layers), -1)
+    parts = [p if i == -1 else p * torch.rsqrt(p.float().pow(2).mean(-1, keepdim=True) + eps).to(p.dtype)
+             for i, p in zip(layers, parts)]
+    return F.linear(torch.cat(parts, -1), weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype))
+
+
 class EagleDrafter(ModelDrafter):
     """Serves an `EagleHead`: fed with target hidden states, rolls back to the last position
     whose input was a real feature, catches up, then drafts from its own features."""
-
-    wants_hidden = True
 
     def __init__(self, head: EagleHead, name: str, max_batch: int = 8, max_len: int = 2048):
         head = head.eval()
         runner = LlamaRunner(head.shell)
         super().__init__(runner, name, max_batch=max_batch, max_len=max_len,
                          vocab_map=head.vocab_map, vocab_size=head.embed.shape[0])
+        self.feature_layers = head.features
+        self.fuse = None if head.fuse is None else head.fuse.weight.detach().to(runner.dtype)  # [E, F E]
+        self.eps = head.eps
         self.fc = head.fc.weight.detach().to(runner.dtype)  # [E, 2E]
         self.embed = head.embed  # the target's embedding [V, E]
         E = runner.hidden_size
@@ -237,8 +288,9 @@ class EagleDrafter(ModelDrafter):
                 if s.hidden_start > have:
                     raise ValueError(f"sequence {s.seq_id}: hidden states start at {s.hidden_start}, "
                                      f"the draft holds only {have}")
-                self.feat[slot, s.hidden_start:s.hidden_start + len(s.hidden)] = s.hidden.to(self.feat.device,
-                                                                                             self.feat.dtype)
+                h = fuse_features(s.hidden.to(self.feat.device, self.feat.dtype), self.feature_layers, self.fuse,
+                                  self.eps)
+                self.feat[slot, s.hidden_start:s.hidden_start + len(s.hidden)] = h
                 have = self.feat_len[s.seq_id] = s.hidden_start + len(s.hidden)
             if have < n:
                 raise ValueError(f"draft {self.name!r} needs the target's hidden states for the first {n} "

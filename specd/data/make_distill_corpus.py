@@ -26,6 +26,9 @@ HERE = Path(__file__).resolve().parent
 HELDOUT_PATH = HERE / "prompts.jsonl"
 OUT_PATH = HERE / "distill_prompts.jsonl"
 SEED = 20240611
+# Wordings per topic: each filler goes through this many of its templates, and each random
+# generator draws this many times as many prompts (2: ~850 prompts, twice the first corpus).
+VARIANTS = 2
 MIN_WORDS, MAX_WORDS = 5, 60
 # Topics of held-out prompts that must not appear in the distillation corpus at all.
 HELDOUT_TOPICS = (
@@ -39,16 +42,19 @@ HELDOUT_TOPICS = (
 # --------------------------------------------------------------------------- helpers
 
 def fill(templates, fillers):
-    """Pair each filler with a template, round-robin; fillers are str ({x}) or dicts."""
+    """Pair each filler with VARIANTS templates, round-robin (fewer if there are fewer);
+    fillers are str ({x}) or dicts."""
     out = []
     for i, f in enumerate(fillers):
         slots = f if isinstance(f, dict) else {"x": f}
-        out.append(templates[i % len(templates)].format(**slots))
+        for v in range(min(VARIANTS, len(templates))):
+            out.append(templates[(i + v) % len(templates)].format(**slots))
     return out
 
 
 def sample(rng, gen, k):
-    """Call gen(rng) until it has produced k distinct prompts."""
+    """Call gen(rng) until it has produced k * VARIANTS distinct prompts."""
+    k *= VARIANTS
     seen = []
     for _ in range(1000):
         p = gen(rng)

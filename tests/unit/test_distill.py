@@ -17,7 +17,7 @@ from actors.build import load_distilled, make_drafter
 from actors.drafters.base import DraftSeq
 from actors.drafters.eagle import EagleDrafter, EagleHead
 from actors.engine import SpecEngine
-from actors.llama import LlamaRunner
+from actors.llama import LlamaRunner, context_features
 from actors.models import LoadedModel, build_tiny, load_model
 from helpers import request, run
 
@@ -46,8 +46,11 @@ def data(target, tmp_path_factory):
     return seqs[:80], seqs[80:]  # train / held-out: rows 0-39 and 40-47 (greedy + sampled each)
 
 
-def _perturbed_head(target, seed=0) -> EagleHead:
-    head = EagleHead(target.model, torch.arange(target.model.config.vocab_size))
+FUSED = (1, 2, -1)  # D.eagle3_layers of the 4-layer tiny target: an EAGLE-3-style head
+
+
+def _perturbed_head(target, seed=0, features=(-1,)) -> EagleHead:
+    head = EagleHead(target.model, torch.arange(target.model.config.vocab_size), features=features)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
@@ -56,14 +59,17 @@ def _perturbed_head(target, seed=0) -> EagleHead:
     return head.eval()
 
 
-def test_served_head_drafts_exactly_what_training_scores(target):
-    """The drafter (fast runner, KV cache, fed target hidden states with the rollback info)
+@pytest.mark.parametrize("features", [(-1,), FUSED], ids=["final-layer", "fused-layers"])
+def test_served_head_drafts_exactly_what_training_scores(target, features):
+    """The drafter (fast runner, KV cache, fed target features with the rollback info)
     and the training unroll (all starts at once, training-time test) are one function: a
-    divergence would make the reported α a lie about what serving gets."""
-    head = _perturbed_head(target)
+    divergence would make the reported α a lie about what serving gets. For a fused head the
+    features are several target layers, as the engine hands them over."""
+    assert D.eagle3_layers(target.model.config.num_hidden_layers) == FUSED
+    head = _perturbed_head(target, features=features)
     runner = LlamaRunner(target.model)
     prefix = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(1))
-    hid = runner.forward(runner.new_cache(1, 64), [0], prefix)[0]  # [12, E]
+    hid = runner.forward(runner.new_cache(1, 64), [0], prefix, features=features)[1][0]  # [12, F E]
     drafter = EagleDrafter(head, "eagle", max_batch=2, max_len=64)
     prop = drafter.propose([DraftSeq(seq_id=7, keep=0, new_tokens=prefix[0].tolist(), gamma=4,
                                      hidden=hid[:-1], hidden_start=0)])
@@ -80,7 +86,7 @@ def test_served_head_drafts_exactly_what_training_scores(target):
     # positions from the target's real features and drafts the same as a fresh drafter.
     keep = len(prefix[0]) + 2
     committed = seq[0, :keep].tolist() + [5]
-    hid_all = runner.forward(runner.new_cache(1, 64), [0], torch.tensor([committed]))[0]
+    hid_all = runner.forward(runner.new_cache(1, 64), [0], torch.tensor([committed]), features=features)[1][0]
     p2 = drafter.propose([DraftSeq(seq_id=7, keep=keep, new_tokens=[5], gamma=3,
                                    hidden=hid_all[11:-1], hidden_start=11)])
     fresh = EagleDrafter(head, "eagle", max_batch=2, max_len=64)
@@ -91,20 +97,32 @@ def test_served_head_drafts_exactly_what_training_scores(target):
 
 def test_eagle_draft_is_lossless_and_accepts_in_the_engine(target):
     """Greedy output with the head equals the target alone; the engine hands the head its
-    hidden states, and a head that starts as 'one more target layer' gets drafts accepted."""
-    head = EagleHead(target.model, torch.arange(512)).eval()
+    hidden states, and a head that starts as 'one more target layer' gets drafts accepted.
+    One engine serves a single-layer head and a fused (EAGLE-3-style) one side by side: each
+    gets its own layers out of the features the engine keeps, and a fused head that starts
+    as the single-layer one (its fuse reads only the final state) drafts exactly what it does;
+    a fused head given the wrong layers' columns would not."""
+    single = EagleHead(target.model, torch.arange(512)).eval()
+    fused = EagleHead(target.model, torch.arange(512), features=FUSED)
+    fused.load_state_dict({k: v for k, v in single.state_dict().items()}, strict=False)
     prompts = [[5, 9, 33, 2 + i, 100 + i] for i in range(4)]
 
-    def go(draft):
-        eng = SpecEngine(LlamaRunner(target.model), {"eagle": EagleDrafter(head, "eagle", max_batch=4, max_len=200)},
-                         max_batch=4, max_len=200)
-        res = run(eng, [request(f"r{i}", p, draft, 4, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)])
-        return [res[f"r{i}"].token_ids for i in range(len(prompts))], sum(s.stats.accepted_tokens for s in res.values())
+    def go(drafts):
+        eng = SpecEngine(LlamaRunner(target.model),
+                         {"eagle": EagleDrafter(single, "eagle", max_batch=8, max_len=200),
+                          "eagle3": EagleDrafter(fused.eval(), "eagle3", max_batch=8, max_len=200)},
+                         max_batch=8, max_len=200)
+        assert eng.features == FUSED
+        res = run(eng, [request(f"r{i}", p, d, 4, max_tokens=40, ignore_eos=True)
+                        for i, (p, d) in enumerate(zip(prompts * 2, drafts))])
+        return ([res[f"r{i}"].token_ids for i in range(len(drafts))],
+                [res[f"r{i}"].stats.accepted_tokens for i in range(len(drafts))])
 
-    plain, _ = go(None)
-    spec, accepted = go("eagle")
-    assert spec == plain
-    assert accepted > 0
+    plain, _ = go([None] * 4)
+    spec, accepted = go(["eagle"] * 4 + ["eagle3"] * 4)
+    assert spec == plain * 2
+    assert sum(accepted) > 0
+    assert accepted[:4] == accepted[4:]  # the fused head began as the single-layer one
 
 
 def test_distill_improves_heldout_acceptance(target, data):
@@ -138,15 +156,20 @@ def test_objectives_rank_a_perfect_student_best():
 def test_saved_draft_round_trips_and_keeps_greedy_output(target, data, tmp_path):
     train, held = data
     vmap = D.head_vocab(train, 300, 512, target.eos_token_ids)  # a restricted head, as shipped
-    for kind in ("eagle", "truncated:2"):
+    for kind in ("eagle3", "eagle", "truncated:2"):
         student = D.Student(kind, target, vmap)
         D.train(student, target, train, held, D.DistillConfig(kind=kind, steps=5, batch=8), progress=False)
         out = tmp_path / kind.replace(":", "_")
         student.save(out, {"name": out.name, "vocab_fingerprint": "size:512"})
         meta = json.loads((out / "specd_draft.json").read_text())
-        assert meta["kind"] == ("eagle" if kind == "eagle" else "model")
+        assert meta["kind"] == ("model" if kind.startswith("truncated") else "eagle")
         drafter = make_drafter(str(out), target, 4, 200)  # the --draft PATH code path
-        assert drafter.wants_hidden == (kind == "eagle")
+        assert drafter.feature_layers == {"eagle3": FUSED, "eagle": (-1,)}.get(kind, ())
+        # what it trained is what it serves: the loaded head scores the held-out data as the student did
+        if kind != "truncated:2":
+            assert D.evaluate(student, target, held)["alpha"] == pytest.approx(
+                D.evaluate(D._init_from(D.DistillConfig(kind=kind, init_from=str(out)), target), target,
+                           held)["alpha"], abs=0.02)
         prompts = [[7, 8, 9, 10 + i] for i in range(3)]
         outs = {}
         for draft in (None, "d"):
@@ -157,8 +180,8 @@ def test_saved_draft_round_trips_and_keeps_greedy_output(target, data, tmp_path)
         assert outs["d"] == outs[None], kind
         # A restricted head only ever proposes its own tokens (mapped back to target ids).
         seq = list(range(20, 40))
-        hid = LlamaRunner(target.model).forward(LlamaRunner(target.model).new_cache(1, 64), [0],
-                                                 torch.tensor([seq]))[0, :-1] if drafter.wants_hidden else None
+        hid = context_features(LlamaRunner(target.model), seq, drafter.feature_layers) \
+            if drafter.wants_hidden else None
         prop = drafter.propose([DraftSeq(seq_id=99, keep=0, new_tokens=seq, gamma=6, hidden=hid)])
         assert set(prop.tokens[0].tolist()) <= set(vmap.tolist())
         drafter.release(99)

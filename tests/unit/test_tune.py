@@ -16,7 +16,7 @@ from actors.build import build_engine
 from actors.calibrate import PassCost, hardware
 from actors.policy import AUTO_MAX_GAMMA, PRIOR_ACCEPT, PROFILE_WEIGHT
 from actors.tune_profile import TuneProfile, matching, store_path
-from specd.tune import DraftRecord, predict_tps, tune
+from specd.tune import DraftRecord, StepOverhead, predict_tps, tune
 
 
 def test_per_position_formula_reduces_to_leviathan_at_constant_acceptance():
@@ -46,6 +46,21 @@ def test_a_pass_costs_what_its_widest_row_costs():
     # tokens/s = rows · E(γ) / (E[t] + drafting): E(4) = 1 + 0.5 · 4
     assert predict_tps(cost, rec, 2, 4, draft_s=1.0) == pytest.approx(2 * 3.0 / (4.0 + 1.0))
     assert predict_tps(cost, None, 2, 0, draft_s=0.0) == pytest.approx(2 / 1.0)
+
+
+def test_step_overhead_is_fitted_and_charged_to_every_step():
+    """The engine's cost beyond pass and drafting, o = 1 ms + 0.5 ms/row + 2 ms while drafting
+    + 0.1 ms per row and draft position, is recovered from steps that cost exactly that, and a
+    prediction charges it: a wide draft that looked free no longer does."""
+    true = StepOverhead((1e-3, 5e-4, 2e-3, 1e-4))
+    samples = [(b, w, d, true(b, w, d)) for b in (1, 3, 8) for w in (0, 2, 6) for d in (False, True)]
+    fit = StepOverhead.fit(samples)
+    assert fit.coef == pytest.approx(true.coef, abs=1e-9)
+    cost = PassCost({(b, t): 0.01 for b in (1, 8) for t in (1, 7)})  # a wider pass costs nothing
+    rec = DraftRecord(drafted=[6] * 4, accepted=[1] * 4)  # 2 tokens per pass, always 6 drafted
+    assert predict_tps(cost, rec, 8, 6, 0.0, fit) == pytest.approx(8 * 2 / (0.01 + true(8, 6, True)))
+    assert predict_tps(cost, None, 8, 0, 0.0, fit) == pytest.approx(8 / (0.01 + true(8, 0, False)))
+    assert predict_tps(cost, rec, 8, 6, 0.0) > predict_tps(cost, rec, 8, 6, 0.0, fit)
 
 
 def test_tune_writes_a_profile_that_the_engine_and_a_verifier_use(tmp_path, monkeypatch):
