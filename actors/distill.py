@@ -3,12 +3,15 @@
 A run (`specd distill`):
   1. Teacher data, computed once and cached: the target's own generations (greedy
      and sampled) for a prompt corpus, or a user's texts, with the target's final
-     hidden state at every position. The teacher distribution at position q is
-     softmax(W h_q) with W the target's LM head, so the hidden states are the
-     whole teacher signal (hidden_size numbers per token, not a vocabulary).
-  2. Training a draft of one kind: an EAGLE-style feature head, the target's first
-     K layers, or a small independent model, on one objective (forward KL,
-     reverse KL, total variation, or next-token cross-entropy).
+     hidden state at every position and the outputs of the decoder layers an
+     EAGLE-3-style head fuses (`data_layers`). The teacher distribution at position q
+     is softmax(W h_q) with W the target's LM head, so the final hidden states are
+     the whole teacher signal (hidden_size numbers per token, not a vocabulary).
+  2. Training a draft of one kind: an EAGLE-3-style head (fused low/mid/high target
+     features), the single-layer EAGLE head, the target's first K layers, or a small
+     independent model, on one objective (forward KL, reverse KL, total variation, or
+     next-token cross-entropy), for a number of steps or minutes, or until held-out α
+     stops rising.
   3. Held-out evaluation before and after: greedy acceptance per draft position,
      mean accepted length at γ = 1..8, draft and target step times, c, and the
      speedup the Leviathan formula predicts from them.
@@ -538,8 +541,8 @@ def _init_from(cfg: DistillConfig, target: LoadedModel) -> Student:
                          f"{meta.get('kind', 'not a specd distill checkpoint')}")
     if meta.get("vocab_fingerprint") != vocab_fingerprint(target):
         raise ValueError(f"--init-from {cfg.init_from!r} was trained for another vocabulary")
-    student = Student(cfg.kind, target, torch.arange(1), cfg.small)
-    head = EagleHead.load(path, target.model, features=student.layers)
+    layers = eagle3_layers(target.model.config.num_hidden_layers) if cfg.kind == "eagle3" else (-1,)
+    head = EagleHead.load(path, target.model, features=layers)
     student = Student(cfg.kind, target, head.vocab_map, cfg.small)
     student.head = head
     return student.float()
