@@ -86,21 +86,20 @@ class DraftRecord:
         """E(γ) = 1 + Σ_{k=1..γ} Π_{j≤k} a_j: tokens per row and pass (accepted drafts + one)."""
         return 1.0 + sum(self.accepted_at(gamma))
 
-    def expected_pass_s(self, cost: PassCost, rows: int, gamma: int) -> float:
-        """E[t(rows, 1 + W)], W = max over rows of min(k, γ) (rows are padded to the widest)."""
+    def width_pmf(self, rows: int, gamma: int) -> list[float]:
+        """P(W = w), w = 0..γ, W = max over `rows` independent rows of min(k, γ): a step's widest draft."""
         m = max(1, len(self.drafted))
         cdf = [sum(min(k, gamma) <= w for k in self.drafted) / m for w in range(gamma + 1)]
         cdf[-1] = 1.0  # no samples: every row drafts γ
-        return sum((cdf[w] ** rows - (cdf[w - 1] ** rows if w else 0.0)) * cost(rows, 1 + w)
-                   for w in range(gamma + 1))
+        return [cdf[w] ** rows - (cdf[w - 1] ** rows if w else 0.0) for w in range(gamma + 1)]
 
+    def expected_pass_s(self, cost: PassCost, rows: int, gamma: int) -> float:
+        """E[t(rows, 1 + W)] (rows are padded to the widest)."""
+        return sum(p * cost(rows, 1 + w) for w, p in enumerate(self.width_pmf(rows, gamma)))
 
     def expected_width(self, rows: int, gamma: int) -> float:
-        """E[W], W = max over rows of min(k, γ): the widest draft of a step."""
-        m = max(1, len(self.drafted))
-        cdf = [sum(min(k, gamma) <= w for k in self.drafted) / m for w in range(gamma + 1)]
-        cdf[-1] = 1.0
-        return sum(w * (cdf[w] ** rows - (cdf[w - 1] ** rows if w else 0.0)) for w in range(gamma + 1))
+        """E[W]: the widest draft of a step, on average."""
+        return sum(w * p for w, p in enumerate(self.width_pmf(rows, gamma)))
 
 
 @dataclass
