@@ -22,7 +22,7 @@ from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
 from .draft_server import DraftServer
 from .metrics import DraftMetrics
 from .router import Router
-from .serve import node_id, replica_id
+from .serve import node_id, replica_id, start_heap_trim
 from .verifier import VerifierServer
 
 DRAFT_BATCH = 16  # concurrent propose calls one draft replica answers in one batch
@@ -56,6 +56,7 @@ class DraftDeployment:
         target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)[0]
         drafter = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, quant, prepack)
         self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
+        start_heap_trim()
         self.node = node_id()
         self.metrics = DraftMetrics(name or spec, kv=self._kv)
 

@@ -22,12 +22,19 @@ from actors.schema import MAX_GAMMA, RESERVED_DRAFTS, Limits
 
 LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: `specd serve`, `make demo`
 
-# Every replica's glibc malloc, unless a deployment's `env_vars` replaces it: few arenas (a
-# replica's gRPC, asyncio, batcher and overlap threads each get one otherwise, and keep what they
-# freed) and a fixed mmap threshold (glibc raises it after freeing a large block, so later
-# tensors come from the heap and stay in RSS). In `make soak` it cut a verifier's RSS by about
-# 250 MB and the draft replica's by about 400 MB; it did not change how fast RSS grows.
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+# Every replica's environment, unless a deployment's `env_vars` replaces it.
+# glibc malloc: few arenas (a replica's gRPC, asyncio, batcher and overlap threads each get one
+# otherwise, and keep what they freed) and a fixed mmap threshold (glibc raises it after freeing a
+# large block, so later tensors come from the heap and stay in RSS); in `make soak` this cut a
+# verifier's RSS by about 250 MB and the draft replica's by about 400 MB.
+# oneDNN's primitive cache and ideep's (PyTorch's CPU bf16/int8 matmuls): one entry per matmul
+# shape, up to 1024 each by default, about 0.5 MB per shape with AMX kernels. Rows × tokens per
+# pass and every prefill length make a new shape, so under mixed load a replica's RSS grew by
+# ~15 MB/min for the whole 10-minute soak while the caches filled. 256 each holds the decode
+# shapes a replica reuses and bounds the caches at ~130 MB; measured in-process on the soak's
+# mixed load (Xeon with AMX, bf16), throughput 3-5% under the default 1024.
+REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072",
+               "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
 
 
 QuantMode = Literal["none", "int8-weight", "int8-dynamic", "mixed"]  # actors.schema.QUANT_MODES (a test checks)
@@ -88,9 +95,10 @@ class DeploymentSpec(_Strict):
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     torch_threads: int = Field(1, ge=1, description="intra-op threads per replica (cores are shared)")
     graceful_shutdown_timeout_s: float = Field(30, ge=0, description="scale-down drains in-flight work")
-    env_vars: dict[str, str] = Field(default_factory=lambda: dict(MALLOC_ENV),
+    env_vars: dict[str, str] = Field(default_factory=lambda: dict(REPLICA_ENV),
                                      description="environment of each replica's process (Ray runtime_env); "
-                                                 "the default tunes glibc malloc so RSS stays flat under load")
+                                                 "the default tunes glibc malloc and bounds oneDNN's kernel "
+                                                 "caches so RSS stays flat under load")
 
 
 class DraftConfig(DeploymentSpec):

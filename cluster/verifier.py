@@ -30,7 +30,7 @@ from actors.schema import AUTO_DRAFT, NO_DRAFT, Delta, Request
 from .config import ClusterConfig
 from .draft_server import RemoteDrafter
 from .metrics import GAUGE_REFRESH_S, VerifierMetrics
-from .serve import node_id, replica_id
+from .serve import node_id, replica_id, start_heap_trim
 
 log = logging.getLogger("specd")
 
@@ -79,6 +79,7 @@ class VerifierServer:
         self._export_load()
         self._thread = threading.Thread(target=self._loop, name="specd-batcher", daemon=True)
         self._thread.start()
+        start_heap_trim()
 
     # ---- called by the router (async, on the replica's event loop) ----------------------------
     async def generate(self, request: Request, timeout_s: float | None = None):

@@ -21,7 +21,7 @@ from ray import serve
 
 from cluster import serve as S
 from cluster.app import build_app
-from cluster.config import MALLOC_ENV, ClusterConfig
+from cluster.config import REPLICA_ENV, ClusterConfig
 from specd_client import SpecdClient
 
 
@@ -71,9 +71,9 @@ def test_drafts_on_small_pool_verifier_on_large_pool(nodes):
         assert len(r.token_ids) == 8 and r.spec_stats["draft_tokens"] > 0
     v = serve.get_deployment_handle("Verifier", app_name="specd").stats.remote().result()
     assert v["node_id"] == large
-    # the replica's process runs with the config's environment (by default, the malloc tuning)
+    # the replica's process runs with the config's environment (by default, the malloc tuning and kernel-cache bounds)
     env = dict(kv.split("=", 1) for kv in Path(f"/proc/{v['pid']}/environ").read_text().split("\0") if "=" in kv)
-    assert {k: env.get(k) for k in MALLOC_ENV} == MALLOC_ENV
+    assert {k: env.get(k) for k in REPLICA_ENV} == REPLICA_ENV
     draft = serve.get_deployment_handle("Draft-truncated-2", app_name="specd")
     seen = {draft.stats.remote().result()["replica_id"]: draft.stats.remote().result()["node_id"]
             for _ in range(8)}
