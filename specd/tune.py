@@ -4,28 +4,34 @@
 
 For each draft, on the hardware at hand (`calibrate.hardware()`: GPU name, or CPU model and flags):
   1. measure  the target's pass cost t(B, T) over batch × tokens per row (`calibrate.measure`), the
-              draft's cost per drafted position s_B at each batch size (`calibrate.draft_step_seconds`),
-              and, from greedy generation on the calibration prompts (chat and code from
-              `specd/data/prompts.jsonl`) at γ = AUTO_MAX_GAMMA and at each tree budget, what each row
-              drafted (k) and accepted (a) at every verify step;
+              draft's cost per drafted position s_B at each batch size (`calibrate.draft_step_seconds`,
+              what the profile gives the policy), and, from greedy generation on the calibration
+              prompts (chat and code from `specd/data/prompts.jsonl`) at γ = AUTO_MAX_GAMMA and at
+              each tree budget, at every batch size: what each row drafted (k) and accepted (a) at
+              every verify step, and the seconds each step spent drafting;
   2. predict  tokens/s for every γ and tree budget at every batch size B, Leviathan's formula extended
               to acceptance that varies by position (a_j: P(draft j accepted | drafts < j were)):
                   E(γ)       = 1 + Σ_{k=1..γ} Π_{j≤k} a_j = 1 + E[min(a, γ)]    tokens per row and pass
                   tokens/s   = B · E(γ) / (E[t(B, 1 + W)] + d(γ))
               W = max over the B rows of min(k, γ): rows are padded to the widest, and a drafter may
               propose fewer than γ (n-gram: none without a match); rows drawn independently, so
-              P(W ≤ w) = P(min(k, γ) ≤ w)^B. d(γ) = γ · s_B for a chain, TREE_DRAFT_STEPS · depth · s_B
-              for a tree (the speculation policy's model). With a_j = α for every j, E(γ) is
+              P(W ≤ w) = P(min(k, γ) ≤ w)^B. d(γ): the drafting the calibration steps spent at
+              batch B, per drafted position × γ for a chain (the widest row's draft is how many
+              draft steps ran), per step for a tree budget (the tree's depth and width are the
+              drafter's; 1.5 × depth chain steps, the policy's model, overcharged them:
+              tree 4 at batch 1 predicted 26 tokens/s, measured 37). With a_j = α for every j, E(γ) is
               Leviathan's (1 - α^(γ+1)) / (1 - α). An engine step costs more than its pass and
               its drafting (logits to host, acceptance, per-row bookkeeping, a drafter's
-              catch-up on accepted tokens): o(B, W) is fitted by least squares to what the
-              calibration runs' steps (plain decoding at every batch size, the drafting runs
-              below) cost beyond t(B, 1 + W) + d, as o0 + o1·B + o2·[drafting] + o3·B·W, and added
-              to every step's time.
+              catch-up on accepted tokens): o(B, W) is fitted by non-negative least squares to
+              what the calibration runs' steps (plain decoding and each drafting run, at every
+              batch size) cost beyond t(B, 1 + W) + d, as o0 + o1·B + o2·[drafting] + o3·B·W, and
+              added to every step's time.
   3. check    the prediction against a short empirical sweep: real greedy generation at every γ and
-              tree budget, on the same prompts, interleaved prompt chunk by prompt chunk, each chunk's
-              time the least of --rounds runs (other load on the machine only slows a run down; the
-              pass-cost grid keeps its least time too, and is made monotone in rows and tokens);
+              tree budget, on the same prompts, interleaved prompt chunk by prompt chunk, timing the
+              full-batch decode steps (prefill costs the same at every γ; the prediction is of the
+              steady state), each chunk's rate the best of --rounds runs (other load on the
+              machine only slows a run down; the pass-cost grid keeps its least time too, and is
+              made monotone in rows and tokens);
               measured tokens/s at the predicted best against the sweep's best, and the sweep's range
               (a flat curve shows as a narrow one);
   4. store    a profile per draft (`actors/tune_profile.py`), keyed by the hardware fingerprint, model,
@@ -46,7 +52,7 @@ from pathlib import Path
 import torch
 
 from actors.calibrate import PassCost, draft_step_seconds, grid, hardware, hardware_line, measure
-from actors.policy import PRIOR_ACCEPT, TREE_BUDGETS, TREE_DEPTH, TREE_DRAFT_STEPS
+from actors.policy import PRIOR_ACCEPT, TREE_BUDGETS, TREE_DEPTH
 from actors.schema import AUTO_MAX_GAMMA, Request, SamplingParams, SpeculationParams
 from actors.tune_profile import QUANT_NONE, TuneProfile, profile_key, save, store_path
 
@@ -115,13 +121,24 @@ class StepOverhead:
 
     @classmethod
     def fit(cls, samples: list[tuple[int, int, bool, float]]) -> "StepOverhead":
-        """samples: (rows, widest draft W, drafting, seconds beyond pass and drafting) per step."""
+        """samples: (rows, widest draft W, drafting, seconds beyond pass and drafting) per step.
+        Least squares with every coefficient ≥ 0 (each term is a cost; unconstrained, a negative
+        per-row term fitted at one batch size turns into a large constant at another): the best
+        fit over the subsets of terms whose own least-squares solution is non-negative."""
         if len(samples) < 5:
             return cls()
         x = torch.tensor([[1.0, b, float(d), b * w] for b, w, d, _ in samples], dtype=torch.float64)
         y = torch.tensor([[s] for *_, s in samples], dtype=torch.float64)
-        coef = torch.linalg.lstsq(x, y).solution[:, 0].tolist()
-        return cls(tuple(coef), len(samples))
+        best, best_err = [0.0] * 4, float(y.square().sum())
+        for mask in range(1, 16):
+            cols = [j for j in range(4) if mask >> j & 1]
+            sol = torch.linalg.lstsq(x[:, cols], y).solution[:, 0]
+            err = float((x[:, cols] @ sol[:, None] - y).square().sum())
+            if bool((sol >= 0).all()) and err < best_err:
+                best, best_err = [0.0] * 4, err
+                for j, c in zip(cols, sol.tolist()):
+                    best[j] = c
+        return cls(tuple(best), len(samples))
 
 
 def predict_tps(cost: PassCost, rec: DraftRecord | None, rows: int, gamma: int, draft_s: float,
@@ -136,17 +153,6 @@ def predict_tps(cost: PassCost, rec: DraftRecord | None, rows: int, gamma: int, 
                                                + o(rows, rec.expected_width(rows, gamma), True))
 
 
-def per_rows(step_s: dict[int, float], rows: int) -> float:
-    """A draft's cost per position at `rows` rows, interpolated between the measured batch sizes."""
-    pts = sorted(step_s.items())
-    if rows <= pts[0][0]:
-        return pts[0][1]
-    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
-        if rows <= b1:
-            return s0 + (s1 - s0) * (rows - b0) / (b1 - b0)
-    return pts[-1][1] * rows / pts[-1][0]
-
-
 # ------------------------------------------------------------------------------------ measurement
 
 
@@ -154,37 +160,51 @@ def config_name(gamma: int, tree: int) -> str:
     return f"tree:{tree}" if tree else f"γ={gamma}"
 
 
-def run_logged(eng, reqs: list[Request], steps: list | None = None) -> tuple[int, DraftRecord]:
-    """Generate to completion; (tokens generated, (drafted, accepted) per row and verify step).
-    steps, when given, gets (rows, widest draft, seconds) of every step once all rows decode."""
+@dataclass
+class Run:
+    """One `run_logged` generation: tokens generated, each row's (drafted, accepted) per verify
+    step, and the tokens and seconds of its full-batch decode steps (every row past its prefill,
+    none finished yet: the steady state a prediction describes)."""
+    tokens: int
+    record: DraftRecord
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+
+def run_logged(eng, reqs: list[Request], steps: list | None = None) -> Run:
+    """Generate to completion, logging every verify step (see `Run`). steps, when given, gets
+    (rows, widest draft, seconds, of which drafting) of every step once all rows decode."""
     keys = {eng.add_request(r) for r in reqs}
     started: set[int] = set()  # rows that have produced a token (their prefill is done)
     last: dict[int, tuple[int, int, int]] = {}  # key -> (passes, drafted, accepted) so far
-    rec, tokens = DraftRecord([], []), 0
+    run = Run(0, DraftRecord([], []))
     while keys:
         decoding = len(started) == len(reqs)
-        t0 = time.perf_counter()
+        full = decoding and len(keys) == len(reqs)
+        t0, d0 = time.perf_counter(), eng.batcher.draft_s
         out = eng.step()
-        dt = time.perf_counter() - t0
+        dt, ds = time.perf_counter() - t0, eng.batcher.draft_s - d0
         stats = {k: eng.active[k].stats for k in keys if k in eng.active}
         for k, d in out.items():
-            tokens += len(d.token_ids)
+            run.tokens += len(d.token_ids)
+            run.decode_tokens += full * len(d.token_ids)
             started.add(k)
             if d.finished and k in keys:
                 stats[k] = d.stats
                 keys.discard(k)
+        run.decode_s += full * dt
         widest, rows = 0, 0
         for k, st in stats.items():
             now = (st.target_passes, st.draft_tokens, st.accepted_tokens)
             prev = last.get(k, (0, 0, 0))
             if now[0] > prev[0]:  # one verify step of this row
-                rec.drafted.append(now[1] - prev[1])
-                rec.accepted.append(now[2] - prev[2])
+                run.record.drafted.append(now[1] - prev[1])
+                run.record.accepted.append(now[2] - prev[2])
                 widest, rows = max(widest, now[1] - prev[1]), rows + 1
             last[k] = now
         if steps is not None and decoding and rows:
-            steps.append((rows, widest, dt))
-    return tokens, rec
+            steps.append((rows, widest, dt, ds))
+    return run
 
 
 def requests(prompts: list[list[int]], draft: str, gamma: int, tree: int, max_tokens: int) -> list[Request]:
@@ -215,10 +235,12 @@ def calibration_prompts(tokenizer, path: str | None, limit: int) -> list[list[in
 
 def sweep(eng, prompts: list[list[int]], configs: list[tuple[str, int, int]], batches: list[int],
           max_tokens: int, rounds: int, bar) -> dict:
-    """Measured tokens/s per (batch, draft, γ, tree): the configs (draft, γ, tree) run interleaved,
-    chunk by chunk of `batch` prompts, in an order rotated per chunk and round; each chunk's time
-    is the least of its `rounds` runs (the machine's other load only ever slows a run down, as in
-    the pass-cost grid), and a configuration's tokens/s is its tokens over the sum of those."""
+    """Measured decode tokens/s per (batch, draft, γ, tree): the configs (draft, γ, tree) run
+    interleaved, chunk by chunk of `batch` prompts, in an order rotated per chunk and round. A
+    chunk counts its full-batch decode steps only (`Run`): prefill costs the same at every γ, and
+    the prediction is of the steady state. Each chunk's rate is the best of its `rounds` runs (the
+    machine's other load only ever slows a run down, as in the pass-cost grid), and a
+    configuration's tokens/s is its tokens over the sum of its chunks' seconds at those rates."""
     tokens: dict[tuple, int] = {}
     secs: dict[tuple, float] = {}
     for d, g, n in configs:  # warm-up: first-call allocations, untimed
@@ -228,13 +250,13 @@ def sweep(eng, prompts: list[list[int]], configs: list[tuple[str, int, int]], ba
             for c, i in enumerate(range(0, len(prompts), bs)):
                 k = (c + r) % len(configs)
                 for d, g, n in configs[k:] + configs[:k]:
-                    t0 = time.perf_counter()
-                    out = eng.generate(requests(prompts[i:i + bs], d, g, n, max_tokens))
-                    dt = time.perf_counter() - t0
+                    chunk = prompts[i:i + bs]
+                    run = run_logged(eng, requests(chunk, d, g, n, max_tokens))
                     key = (bs, d, g, n, i)
-                    tokens[key] = sum(len(x.token_ids) for x in out)  # greedy: the same every round
-                    secs[key] = min(secs.get(key, dt), dt)
-                    bar.update(len(out))
+                    if run.decode_s > 0 and (key not in tokens or
+                                             run.decode_tokens / run.decode_s > tokens[key] / secs[key]):
+                        tokens[key], secs[key] = run.decode_tokens, run.decode_s
+                    bar.update(len(chunk))
     tps: dict[tuple, list[float]] = {}
     for key, t in tokens.items():
         tot = tps.setdefault(key[:4], [0, 0.0])
@@ -255,7 +277,7 @@ def monotone(cost: PassCost) -> PassCost:
 def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: str = "auto", device: str = "auto",
          batches: tuple[int, ...] = (1, 4, 8), gammas: tuple[int, ...] = GAMMAS,
          tree_budgets: tuple[int, ...] = BUDGETS, prompts_path: str | None = None, limit: int = 8,
-         max_tokens: int = 24, reps: int = 3, rounds: int = 2, out: str | Path = "out/tune", store: bool = True,
+         max_tokens: int = 32, reps: int = 3, rounds: int = 2, out: str | Path = "out/tune", store: bool = True,
          progress: bool = True) -> dict:
     """The whole study (see the module docstring); returns the report (tune.json) and writes the
     profiles. `store`: also file each profile in the profile store, where engines find it."""
@@ -285,9 +307,10 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
         cost = monotone(measure(eng.target, max(batches), reps, tokens=tuple(widths), cap=cap,
                                 progress=lambda: grid_bar.update(1)))
     grid_bar.close()
-    cal_bar = tqdm(desc="acceptance", unit=" req", disable=not progress,
-                   total=len(prompts) * (1 + sum(1 + len(trees[d]) for d in drafts)))
-    plain_steps: list = []  # (rows, widest, seconds) of plain decoding steps, for the overhead fit
+    cal_bar = tqdm(desc="acceptance", unit=" req", disable=not progress,  # every batch size counts a share
+                   total=len(prompts) * (1 + sum(1 + len(trees[d]) for d in drafts)),
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} [{elapsed}<{remaining}]")
+    plain_steps: list = []  # (rows, widest, seconds, drafting) of plain decoding steps, for the overhead fit
     for bs in batches:  # every batch size: what the overhead costs per row
         for i in range(0, len(prompts), bs):
             chunk = prompts[i:i + bs]
@@ -300,21 +323,28 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
         with torch.inference_mode():
             step_s = {bs: draft_step_seconds(drafter, ctx, eng.target, reps=5, rows=bs) for bs in batches}
         recs: dict[int, DraftRecord] = {}
-        samples = [(b, w, False, s - cost(b, 1)) for b, w, s in plain_steps]
+        samples = [(b, w, False, s - cost(b, 1)) for b, w, s, _ in plain_steps]
+        # drafting seconds as the engine's steps spent them, per batch size: per drafted position
+        # for the chain (its widest draft is how many draft steps ran), per step for a tree budget
+        drafting: dict[int, dict[int, float]] = {}
         for n in [0] + trees[d]:  # 0: the chain at the policy's longest γ
             rec = DraftRecord([], [])
-            steps: list = []
-            for i in range(0, len(prompts), max(batches)):
-                chunk = prompts[i:i + max(batches)]
-                rec_i = run_logged(eng, requests(chunk, d, TREE_DEPTH if n else AUTO_MAX_GAMMA, n, max_tokens),
-                                   steps)[1]
-                rec.drafted += rec_i.drafted
-                rec.accepted += rec_i.accepted
-                cal_bar.update(len(chunk))
+            drafting[n] = {}
+            for bs in batches:  # every batch size: the overhead fit sees drafting steps at each
+                steps: list = []
+                for i in range(0, len(prompts), bs):
+                    chunk = prompts[i:i + bs]
+                    rec_i = run_logged(eng, requests(chunk, d, TREE_DEPTH if n else AUTO_MAX_GAMMA, n, max_tokens),
+                                       steps).record
+                    if bs == max(batches):  # acceptance from one pass over the prompts; all steps feed the fit
+                        rec.drafted += rec_i.drafted
+                        rec.accepted += rec_i.accepted
+                    cal_bar.update(len(chunk) / len(batches))
+                spent = sum(ds for *_, ds in steps)
+                drafting[n][bs] = spent / max(1, len(steps) if n else sum(w for _, w, _, _ in steps))
+                samples += [(b, w, True, s - cost(b, 1 + w) - ds) for b, w, s, ds in steps]
             recs[n] = rec
-            positions = TREE_DRAFT_STEPS * TREE_DEPTH if n else AUTO_MAX_GAMMA
-            samples += [(b, w, True, s - cost(b, 1 + w) - positions * per_rows(step_s, b)) for b, w, s in steps]
-        measured[d] = {"step_s": step_s, "records": recs, "overhead": StepOverhead.fit(samples)}
+        measured[d] = {"step_s": step_s, "drafting": drafting, "records": recs, "overhead": StepOverhead.fit(samples)}
     cal_bar.close()
 
     # 2. predict
@@ -324,7 +354,7 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
     for bs in batches:
         for d, g, n in configs:
             m = measured[d]
-            draft_s = (TREE_DRAFT_STEPS * TREE_DEPTH if n else g) * m["step_s"][bs]
+            draft_s = m["drafting"][n][bs] * (1 if n else g)
             predicted[bs, d, g, n] = predict_tps(cost, m["records"][n] if g else None, bs, n or g, draft_s,
                                                  m["overhead"])
 
@@ -368,6 +398,7 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
         o = m["overhead"]
         report["drafts"][d] = {"accept": prof.accept, "accepted_at": chain.accepted_at(AUTO_MAX_GAMMA),
                                "verify_steps": len(chain.accepted), "step_s": m["step_s"], "tree": prof.tree,
+                               "drafting_s": m["drafting"],
                                "step_overhead": {"coef": list(o.coef), "steps": o.steps,
                                                  "ms": {bs: {"plain": 1e3 * o(bs, 0, False),
                                                              "drafting_w4": 1e3 * o(bs, 4, True)}
@@ -397,7 +428,7 @@ def render(report: dict) -> str:
     con.print(f"specd tune: {report['model']} ({report['dtype']}, quant {report['quant']}) on "
               f"{report['hardware_line']}; {report['prompts']} prompts, <= {report['max_tokens']} new tokens, "
               f"greedy, the faster of {report['rounds']} rounds per prompt chunk; {report.get('wall_s', 0):.0f} s")
-    t = Table(title="predicted best against the empirical sweep (tokens/s)")
+    t = Table(title="predicted best against the empirical sweep (decode tokens/s: full-batch steps, no prefill)")
     for col in ("draft", "batch", "predicted best", "measured at it", "sweep best", "measured best", "ratio",
                 "sweep range (min–max)", "spread"):
         t.add_column(col, justify="left" if col in ("draft", "predicted best", "sweep best") else "right")
@@ -429,6 +460,11 @@ def render(report: dict) -> str:
                       f"{v['step_overhead']['steps']} steps), ms plain / drafting at W=4: "
                       + ", ".join(f"B={b} {x['plain']:.1f} / {x['drafting_w4']:.1f}"
                                   for b, x in v["step_overhead"]["ms"].items()))
+        if "drafting_s" in v:  # JSON keys are strings once read back
+            con.print(f"{d}: drafting in the engine's steps, ms by batch: "
+                      + "; ".join(f"{'chain, per position' if int(n) == 0 else f'tree:{n}, per step'} "
+                                  + ", ".join(f"B={b} {x * 1e3:.1f}" for b, x in by_bs.items())
+                                  for n, by_bs in v["drafting_s"].items()))
         con.print(f"{d}: profiles {', '.join(v['profiles'])}")
     return con.export_text()
 
@@ -479,7 +515,7 @@ def add_parser(sub) -> None:
                         f"{','.join(map(str, TREE_BUDGETS))}; empty: chains only)")
     p.add_argument("--prompts", default=None, help="calibration prompts, JSONL (default: specd/data/prompts.jsonl)")
     p.add_argument("--limit", type=int, default=8, help="prompts (half chat, half code); at least the largest batch")
-    p.add_argument("--max-tokens", type=int, default=24, help="new tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     p.add_argument("--reps", type=int, default=3, help="timings per pass-cost grid point (the least is kept)")
     p.add_argument("--rounds", type=int, default=2, help="sweep rounds (per prompt chunk the fastest is kept)")
     p.add_argument("--threads", type=int, default=None,

@@ -16,7 +16,10 @@ from actors.build import build_engine
 from actors.calibrate import PassCost, hardware
 from actors.policy import AUTO_MAX_GAMMA, PRIOR_ACCEPT, PROFILE_WEIGHT
 from actors.tune_profile import TuneProfile, matching, store_path
-from specd.tune import DraftRecord, StepOverhead, predict_tps, tune
+from actors.engine import SpecEngine
+from actors.llama import LlamaRunner
+from actors.schema import Request, SamplingParams, SpeculationParams
+from specd.tune import DraftRecord, StepOverhead, predict_tps, run_logged, tune
 
 
 def test_per_position_formula_reduces_to_leviathan_at_constant_acceptance():
@@ -61,6 +64,33 @@ def test_step_overhead_is_fitted_and_charged_to_every_step():
     assert predict_tps(cost, rec, 8, 6, 0.0, fit) == pytest.approx(8 * 2 / (0.01 + true(8, 6, True)))
     assert predict_tps(cost, None, 8, 0, 0.0, fit) == pytest.approx(8 / (0.01 + true(8, 0, False)))
     assert predict_tps(cost, rec, 8, 6, 0.0) > predict_tps(cost, rec, 8, 6, 0.0, fit)
+
+
+def test_step_overhead_never_fits_a_negative_cost():
+    """Steps whose overhead falls as drafts widen (noise, or a cheaper path at some width) must
+    not fit a negative per-position term: unconstrained least squares would, and would then
+    charge a lone row drafting a wide draft more than any step ever cost."""
+    samples = [(b, 0, False, 1e-3) for b in (1, 4, 8)]
+    samples += [(8, w, True, 4e-3 - 2e-4 * w) for w in (1, 2, 4, 6) for _ in range(3)]
+    fit = StepOverhead.fit(samples)
+    assert min(fit.coef) >= 0
+    assert fit(1, 6, True) <= max(s for *_, s in samples)
+    assert fit(8, 1, True) == pytest.approx(sum(s for b, w, d, s in samples if d) / 12, rel=0.2)
+
+
+def test_sweep_times_the_full_batch_decode_steps_only(tiny):
+    """The sweep compares against a steady-state prediction, so it counts only the steps where
+    every row is past its prefill and none has finished. Two rows of 5 and 8 tokens, plain
+    decoding: the first step prefills both (2 tokens each here), the next three decode both (the
+    short row ends in the third), the last three the long row alone. Counting the prefill step,
+    or the steps after the short row left, gives 10 tokens instead of 6."""
+    eng = SpecEngine(LlamaRunner(tiny.model), {}, eos_token_ids=set(), max_batch=2, max_len=64)
+    reqs = [Request(f"r{n}", [5, 6, 7, 8], SamplingParams(max_tokens=n), SpeculationParams(draft="none"))
+            for n in (5, 8)]
+    run = run_logged(eng, reqs)
+    assert run.tokens == 13
+    assert run.decode_tokens == 6
+    assert run.decode_s > 0
 
 
 def test_tune_writes_a_profile_that_the_engine_and_a_verifier_use(tmp_path, monkeypatch):
