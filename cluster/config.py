@@ -35,6 +35,10 @@ LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: 
 # mixed load (Xeon with AMX, bf16), throughput 3-5% under the default 1024.
 REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072",
                "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+# A remote draft replica meets new shapes more slowly (it never sees the verifier's wide passes),
+# so at 256 its caches were still filling 10 minutes in (+8-9 MB/min in `make soak`); at 64 its
+# RSS was flat (+0.08 MB/min). What 64 costs a draft step was not measured on its own.
+DRAFT_REPLICA_ENV = {**REPLICA_ENV, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 
 QuantMode = Literal["none", "int8-weight", "int8-dynamic", "mixed"]  # actors.schema.QUANT_MODES (a test checks)
@@ -113,6 +117,9 @@ class DraftConfig(DeploymentSpec):
     name: str
     spec: str
     placement: Literal["colocated", "remote"] = "colocated"
+    env_vars: dict[str, str] = Field(default_factory=lambda: dict(DRAFT_REPLICA_ENV),
+                                     description="remote: environment of each draft replica's process; the "
+                                                 "default is the verifier's with smaller kernel caches")
     default_gamma: int | Literal["auto"] = Field("auto", description="γ when a request leaves it unset: "
                                                   "'auto' (the speculation policy) or a fixed 0..16")
     max_batch: int = Field(16, ge=1, description="sequences with draft KV per replica")

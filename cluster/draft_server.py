@@ -19,6 +19,7 @@ what each call carries.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -267,7 +268,7 @@ class DraftServer:
     def stats(self) -> dict:
         cap = self.drafter.free_capacity()
         active = self.drafter.num_active()
-        return {"replica_id": self.replica, "role": "draft", "name": self.drafter.name,
+        return {"replica_id": self.replica, "role": "draft", "pid": os.getpid(), "name": self.drafter.name,
                 "active_sequences": active, "kv_slots_in_use": active,
                 "kv_slots_total": active + cap if cap is not None else 0,
                 "calls": self.calls, "batches": self.batches, "expired": self.expired, "busy_s": self.busy_s,
