@@ -30,9 +30,10 @@ LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: 
 # oneDNN's primitive cache and ideep's (PyTorch's CPU bf16/int8 matmuls): one entry per matmul
 # shape, up to 1024 each by default, about 0.5 MB per shape with AMX kernels. Rows × tokens per
 # pass and every prefill length make a new shape, so under mixed load a replica's RSS grew by
-# ~15 MB/min for the whole 10-minute soak while the caches filled. 256 each holds the decode
-# shapes a replica reuses and bounds the caches at ~130 MB; measured in-process on the soak's
-# mixed load (Xeon with AMX, bf16), throughput 3-5% under the default 1024.
+# ~15 MB/min for the whole 10-minute soak while the caches filled. 256 each bounds a cache near
+# 256 × 0.5 MB (an LRU replay of the first 60 soak requests' matmuls missed no more at 256 than at
+# 1024); measured in-process on the soak's mixed load (Xeon with AMX, bf16), throughput 3-5% under
+# the default 1024.
 REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072",
                "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
 # A remote draft replica meets new shapes more slowly (it never sees the verifier's wide passes),
