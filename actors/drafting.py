@@ -76,20 +76,27 @@ def feature_union(drafters) -> tuple[int, ...]:
     return tuple(sorted(i for i in layers if i >= 0)) + ((-1,) if -1 in layers else ())
 
 
-def feature_columns(kept: tuple[int, ...], wanted: tuple[int, ...], width: int) -> torch.Tensor | None:
-    """Columns of a [.., len(kept) * width] feature row that hold `wanted`, in its order (None: all)."""
+def feature_columns(kept: tuple[int, ...], wanted: tuple[int, ...], width: int,
+                    device=None) -> slice | torch.Tensor | None:
+    """Columns of a [.., len(kept) * width] feature row that hold `wanted`, in its order: None
+    for all of them, a slice where they lie together (selecting them stays a view), else an index
+    on `device`. Computed once per drafter, not per step."""
     if tuple(wanted) == tuple(kept):
         return None
-    return torch.cat([torch.arange(kept.index(i) * width, (kept.index(i) + 1) * width) for i in wanted])
+    at = [kept.index(i) for i in wanted]
+    if at == list(range(at[0], at[0] + len(at))):
+        return slice(at[0] * width, (at[-1] + 1) * width)
+    return torch.cat([torch.arange(i * width, (i + 1) * width) for i in at]).to(device)
 
 
 def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter],
            hidden_buf: torch.Tensor | None, asynchronous: bool, trees: list[int] | None = None,
-           features: tuple[int, ...] = ()) -> Flight:
+           columns: dict[str, slice | torch.Tensor | None] | None = None) -> Flight:
     """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none), as a
     token tree of at most trees[b] nodes where that is > 0.
     asynchronous: asynchronous drafters only send their calls; otherwise every drafter
-    proposes now. The drafters' views become committed + drafts (`draft_keep`)."""
+    proposes now. columns: per feature drafter, its columns of hidden_buf (`feature_columns`;
+    absent: all). The drafters' views become committed + drafts (`draft_keep`)."""
     t0 = time.perf_counter()
     groups: dict[str, list[int]] = {}
     for b, s in enumerate(seqs):
@@ -98,9 +105,7 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0)
     for name, rows in groups.items():
         drafter = drafters[name]
-        cols = None
-        if drafter.wants_hidden:
-            cols = feature_columns(features, drafter.feature_layers, hidden_buf.shape[-1] // len(features))
+        cols = (columns or {}).get(name)
         dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0, cols)
                  for b in rows]
         tg = time.perf_counter()
@@ -117,16 +122,17 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
 
 
 def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None,
-               tree: int = 0, cols: torch.Tensor | None = None) -> DraftSeq:
+               tree: int = 0, cols: slice | torch.Tensor | None = None) -> DraftSeq:
     p = s.req.sampling
     ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
                   tree=tree, threshold=s.req.speculation.threshold or 0.0)
     if wants_hidden:
         ds.hidden_start = s.hid_sent
-        pick = (lambda t: t) if cols is None else (lambda t: t[:, cols.to(t.device)])  # noqa: E731
-        ds.hidden = pick(hidden_buf[s.slot, s.hid_sent:s.hid_len]).clone()  # [n, F * E]
-        ds.hidden_history = pick(hidden_buf[s.slot, :s.hid_len])  # for a lost drafter's re-prefill
+        kept = hidden_buf[s.slot, :s.hid_len]  # [n, F * E]
+        mine = kept if cols is None else kept[:, cols]  # this drafter's layers (an index copies them)
+        ds.hidden = mine[s.hid_sent:].clone()
+        ds.hidden_history = mine  # for a lost drafter's re-prefill
         s.hid_sent = s.hid_len
     s.draft_keep = len(s.tokens)  # the drafter's view is now committed + its drafts
     return ds

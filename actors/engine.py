@@ -32,7 +32,7 @@ import torch
 from .beam import BeamGroup, BeamSearch, advance
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
-from .drafting import Flight, feature_union, launch
+from .drafting import Flight, feature_columns, feature_union, launch
 from .llama import LlamaRunner, TreeMask
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
@@ -84,7 +84,6 @@ class SpecEngine:
                 pass_cost = measure(target, max_batch, reps=1)
         self.pass_cost = pass_cost
         self.policy = SpeculationPolicy(pass_cost) if pass_cost is not None else None
-        self.selector = DraftSelector(sorted(self.drafters), self.policy)  # draft "auto"
         self.entropy_log: list | None = None  # set to [] to record (entropy, accepted, context) per drafted position
         self.tv_log: list | None = None  # set to [] to record (request key, position, TV) per lossy-ruled position
         self._noise_gen = new_generator(target.device)  # coupled sampling, re-seeded per position
@@ -97,7 +96,7 @@ class SpecEngine:
                                        dtype=target.dtype, device=target.device)
                            if self.features else None)  # [S, P, F * E]
         self.micro = MicroBatches(on=pipeline)
-        self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
+        self._index_drafters()
 
     # ---- configuration ------------------------------------------------------------------------
     @property
@@ -122,7 +121,15 @@ class SpecEngine:
         gammas = {n: self.limits.drafts.get(n, default_gamma) for n in self.drafters}
         self.limits = Limits(context=self.limits.context, max_tokens=self.limits.max_tokens,
                              vocab_size=self.limits.vocab_size, drafts=gammas, max_beams=self.max_batch)
+        self._index_drafters()
+
+    def _index_drafters(self) -> None:
+        """What the steps read about the drafters, derived once when they change: which draft
+        trees, each feature drafter's columns of `hidden_buf`, and the draft "auto" selector."""
         self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
+        width = self.target.hidden_size
+        self.feature_cols = {n: feature_columns(self.features, d.feature_layers, width, self.device)
+                             for n, d in self.drafters.items() if d.wants_hidden}
         self.selector = DraftSelector(sorted(self.drafters), self.policy)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -329,7 +336,7 @@ class SpecEngine:
         trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
                  else self.policy.tree_for(s.draft) if s.req.auto_gamma and self.policy is not None else 0
                  for b, s in enumerate(seqs)]
-        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees, self.features)
+        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees, self.feature_cols)
         fl.shadow = shadow
         if asynchronous:
             for s in seqs:

@@ -15,6 +15,7 @@ from .config import ClusterConfig
 
 POOLS = {"small_accel": 4, "large_accel": 4}
 HEAP_TRIM_S = 10.0
+_heap_trim_started = False
 
 
 def free_port() -> int:
@@ -72,14 +73,18 @@ def start_heap_trim(period_s: float = HEAP_TRIM_S) -> None:
     """Every `period_s`, hand the heap's free pages back to the OS (glibc `malloc_trim`; a no-op
     where the C library has none). Tensors of many sizes come and go between steps, and glibc keeps
     what they freed inside its arenas, so without this a replica's RSS wanders by a few hundred MB
-    with the load rather than with what it holds."""
+    with the load rather than with what it holds. Once per process (later calls do nothing)."""
     import ctypes
     import threading
 
+    global _heap_trim_started
+    if _heap_trim_started:
+        return
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return
+    _heap_trim_started = True
 
     def loop() -> None:
         while True:

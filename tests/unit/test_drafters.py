@@ -250,3 +250,26 @@ def test_model_drafter_release_frees_slot(tiny_draft):
     d.release(9)
     d.release(12)
     assert d.num_active() == 0 and d.free == [0, 1]
+
+
+def test_feature_columns_pick_each_drafters_layers_from_the_kept_union():
+    """The engine keeps the union of its drafts' feature layers, one block of E columns per layer;
+    each draft is handed its own blocks in its own order: all of them (None), a contiguous run
+    (a slice, so the history it is handed stays a view), or scattered blocks (an index)."""
+    from actors.drafting import feature_columns, feature_union
+
+    class D:
+        def __init__(self, layers):
+            self.feature_layers = layers
+
+    kept = feature_union([D((-1,)), D((2, 15, -1)), D((5,))])
+    assert kept == (2, 5, 15, -1)
+    E = 3
+    row = torch.arange(len(kept) * E)[None]  # column c holds c: block i is layer kept[i]
+    assert feature_columns(kept, kept, E) is None
+    tail = feature_columns(kept, (15, -1), E)
+    assert tail == slice(2 * E, 4 * E)
+    scattered = feature_columns(kept, (2, 15, -1), E)
+    assert isinstance(scattered, torch.Tensor)
+    assert row[:, scattered].tolist() == [[0, 1, 2, 6, 7, 8, 9, 10, 11]]
+    assert row[:, feature_columns(kept, (-1,), E)].tolist() == [[9, 10, 11]]
