@@ -246,4 +246,5 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                        draft_quant={n: getattr(getattr(d, "runner", None), "quant", "none")
                                     for n, d in drafters.items() if getattr(d, "runner", None) is not None},
                        tune_profiles={name: prof.path for name, prof in profiles.items()})
+    engine.warm()
     return Built(engine, target, drafters, dt, why)

@@ -170,6 +170,11 @@ class SpecEngine:
     def kv_slots_in_use(self) -> int:
         return self.max_batch - len(self.free_slots)
 
+    def warm(self) -> int:
+        """Compile the target's and the local drafters' kernels for every shape they will meet
+        (`llama.warm_linears`), so that serving neither waits for nor grows by them."""
+        return self.target.warm() + sum(d.warm() for d in self.drafters.values())
+
     def is_active(self, s: Sequence) -> bool:
         return self.active.get(s.key) is s
 

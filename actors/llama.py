@@ -283,7 +283,7 @@ class LlamaRunner:
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated."""
         B, T = x.shape[:2]
         h = _rms_norm(x, attn_norm, self.eps)
-        qkv = _linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
+        qkv = linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
         q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
             [self.n_heads, self.n_kv, self.n_kv], dim=2)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
@@ -291,10 +291,10 @@ class LlamaRunner:
     def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down):
         """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]."""
         B, T = x.shape[:2]
-        x = x + _linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo)
+        x = x + linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo)
         h = _rms_norm(x, mlp_norm, self.eps)
-        gate, up = _linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return x + _linear(F.silu(gate) * up, w_down)
+        gate, up = linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
+        return x + linear(F.silu(gate) * up, w_down)
 
     def compile(self) -> "LlamaRunner":
         """Opt-in: compile the dense math of a decoder layer (norms, fused projections, RoPE,
@@ -335,7 +335,22 @@ class LlamaRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., E] -> logits [..., V] (in the model dtype)."""
-        return _linear(hidden, self.lm_head)
+        return linear(hidden, self.lm_head)
+
+    def layer_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One (weight, bias) per distinct kind of decoder-layer linear: a layer's four, once per
+        format (a mixed int8 runner keeps some layers in bf16)."""
+        kinds = {}
+        for w in self.layers:
+            for wb in ((w.wqkv, w.bqkv), (w.wo, None), (w.w_gate_up, None), (w.w_down, None)):
+                kinds.setdefault((type(wb[0]), wb[0].is_mkldnn, wb[0].dtype, tuple(wb[0].shape), wb[1] is None), wb)
+        return list(kinds.values())
+
+    def warm(self) -> int:
+        """Compile the kernels of the shapes this runner's linears will meet (`warm_linears`): the
+        layers' at every bucket, the LM head's up to 256 rows (a wider pass, e.g. verifying a
+        full batch of token trees, compiles its bucket on first use; warming costs 57 MFLOP a row with SmolLM2's head)."""
+        return warm_linears(self.layer_weights()) + warm_linears([(self.lm_head, None)], max_rows=256)
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -353,8 +368,70 @@ def prepack_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+# oneDNN (the CPU path of a prepacked or a bf16 linear) JIT-compiles a kernel for every input shape
+# it meets and caches it, ~0.5 MB each with AMX: a server meeting every row count (rows x tokens
+# per pass, every prefill length) grows for as long as it meets new ones (issue 16's soak: 298
+# shapes in 60 requests). There a linear pads its rows to a bucket (`row_bucket`) and splits more
+# than ROW_CHUNK rows into chunks, so a process meets a fixed set of shapes, which `warm_linears`
+# compiles at start. Padding costs most where it is cheapest: a matmul of a few rows is bound by
+# reading its weight, not by its rows; from 256 rows on, buckets are 8 per octave (at most
+# 12.5% padding) and only the last chunk of a long prefill is padded.
+ROW_CHUNK = 1024
+
+
+def row_bucket(m: int) -> int:
+    """The rows a chunk of m <= ROW_CHUNK rows is padded to: m up to 8, then 4 buckets per octave
+    up to 256 (10, 12, 14, 16, 20, 24, ..., 224, 256), then 8 (288, 320, ..., 960, 1024)."""
+    if m <= 8:
+        return m
+    step = 1 << (m.bit_length() - (3 if m < 256 else 4))
+    return -(-m // step) * step
+
+
+def row_buckets(max_rows: int = ROW_CHUNK) -> list[int]:
+    return sorted({row_bucket(m) for m in range(1, max_rows + 1)})
+
+
+def shape_cached(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T runs a per-shape cached oneDNN kernel: a CPU matmul with a prepacked
+    weight or in a reduced precision (fp32 goes to MKL; an int8 weight is a torchao tensor)."""
+    return x.device.type == "cpu" and (w.is_mkldnn or (type(w) is torch.Tensor and w.dtype != torch.float32))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or oneDNN's linear for a weight `LlamaRunner.prepack` reordered; where the kernel
+    is cached per shape, over bucketed row chunks (see ROW_CHUNK). Padded rows are zeros and
+    are dropped: every real row's result is what the unpadded call gives."""
+    if not shape_cached(x, w) or x.numel() == 0:
+        return _linear(x, w, b)
+    x2 = x.reshape(-1, x.shape[-1])
+    outs = []
+    for i in range(0, x2.shape[0], ROW_CHUNK):
+        c = x2[i:i + ROW_CHUNK]
+        m = c.shape[0]
+        pad = row_bucket(m) - m
+        outs.append(_linear(F.pad(c, (0, 0, 0, pad)) if pad else c, w, b)[:m])
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def warm_linears(weights, max_rows: int = ROW_CHUNK) -> int:
+    """Run each (weight, bias) once at every row bucket up to max_rows, so that the kernels a
+    server will use are compiled before its first request rather than during its first minutes
+    of traffic. A no-op where kernels are not cached per shape. Returns the shapes warmed."""
+    n = 0
+    with torch.inference_mode():
+        for w, b in weights:
+            x = torch.zeros(max_rows, w.shape[-1], dtype=w.dtype, device=w.device)
+            if not shape_cached(x, w):
+                continue
+            for m in row_buckets(max_rows):
+                _linear(x[:m], w, b)
+                n += 1
+    return n
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's linear for a weight `LlamaRunner.prepack` reordered."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)

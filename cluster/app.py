@@ -55,6 +55,7 @@ class DraftDeployment:
         torch.set_num_threads(torch_threads)
         target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)[0]
         drafter = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, quant, prepack)
+        drafter.warm()
         self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
         start_heap_trim()
         self.node = node_id()

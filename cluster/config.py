@@ -28,18 +28,12 @@ LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: 
 # large block, so later tensors come from the heap and stay in RSS); in `make soak` this cut a
 # verifier's RSS by about 250 MB and the draft replica's by about 400 MB.
 # oneDNN's primitive cache and ideep's (PyTorch's CPU bf16/int8 matmuls): one entry per matmul
-# shape, up to 1024 each by default, about 0.5 MB per shape with AMX kernels. Rows × tokens per
-# pass and every prefill length make a new shape, so under mixed load a replica's RSS grew by
-# ~15 MB/min for the whole 10-minute soak while the caches filled. 256 each bounds a cache near
-# 256 × 0.5 MB (an LRU replay of the first 60 soak requests' matmuls missed no more at 256 than at
-# 1024); measured in-process on the soak's mixed load (Xeon with AMX, bf16), throughput 3-5% under
-# the default 1024.
+# shape, about 0.5 MB each with AMX kernels, up to 1024 per cache by default. The linears pad
+# their rows to a fixed set of buckets and warm them at start (`actors.llama.linear`), so a
+# replica's caches fill before its first request (~320 shapes in a verifier serving SmolLM2 and
+# its head, ~290 MB) and stay so; 512 bounds them should a path the buckets miss meet new shapes.
 REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072",
-               "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
-# A remote draft replica meets new shapes more slowly (it never sees the verifier's wide passes),
-# so at 256 its caches were still filling 10 minutes in (+8-9 MB/min in `make soak`); at 64 its
-# RSS was flat (+0.08 MB/min). What 64 costs a draft step was not measured on its own.
-DRAFT_REPLICA_ENV = {**REPLICA_ENV, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+               "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512", "LRU_CACHE_CAPACITY": "512"}
 
 
 QuantMode = Literal["none", "int8-weight", "int8-dynamic", "mixed"]  # actors.schema.QUANT_MODES (a test checks)
@@ -118,9 +112,6 @@ class DraftConfig(DeploymentSpec):
     name: str
     spec: str
     placement: Literal["colocated", "remote"] = "colocated"
-    env_vars: dict[str, str] = Field(default_factory=lambda: dict(DRAFT_REPLICA_ENV),
-                                     description="remote: environment of each draft replica's process; the "
-                                                 "default is the verifier's with smaller kernel caches")
     default_gamma: int | Literal["auto"] = Field("auto", description="γ when a request leaves it unset: "
                                                   "'auto' (the speculation policy) or a fixed 0..16")
     max_batch: int = Field(16, ge=1, description="sequences with draft KV per replica")

@@ -116,6 +116,11 @@ class Drafter(ABC):
         """Sequences currently holding state here (for tests and stats)."""
         return 0
 
+    def warm(self) -> int:
+        """Compile, before the first request, the kernels its model will run (see
+        `llama.warm_linears`); returns the number of shapes warmed (0: nothing to warm)."""
+        return 0
+
     def free_capacity(self) -> int | None:
         """How many more sequences it can take state for; None = no limit."""
         return None

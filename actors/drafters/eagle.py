@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..llama import LlamaRunner, _rms_norm
+from ..llama import LlamaRunner, _rms_norm, linear, warm_linears
 from .base import KV_HEADROOM, DraftSeq, apply_view
 from .model import ModelDrafter
 
@@ -246,7 +246,7 @@ def fuse_features(hidden: torch.Tensor, layers: tuple[int, ...], weight: torch.T
     parts = hidden.split(hidden.shape[-1] // len(layers), -1)
     parts = [p if i == -1 else p * torch.rsqrt(p.float().pow(2).mean(-1, keepdim=True) + eps).to(p.dtype)
              for i, p in zip(layers, parts)]
-    return F.linear(torch.cat(parts, -1), weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype))
+    return linear(torch.cat(parts, -1), weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype))
 
 
 class EagleDrafter(ModelDrafter):
@@ -272,8 +272,8 @@ class EagleDrafter(ModelDrafter):
 
     def _inputs(self, tok: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """fc([embed(tok), prev]): tok [...], prev [..., E] -> [..., E]."""
-        return F.linear(torch.cat([F.embedding(tok, self.embed).to(self.fc.dtype), prev.to(self.fc.dtype)], -1),
-                        self.fc)
+        return linear(torch.cat([F.embedding(tok, self.embed).to(self.fc.dtype), prev.to(self.fc.dtype)], -1),
+                      self.fc)
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
         B = len(seqs)
@@ -325,6 +325,10 @@ class EagleDrafter(ModelDrafter):
 
     def _advance(self, slots: list[int], tok: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return self.runner.forward(self.cache, slots, None, embeds=self._inputs(tok, last)[:, None])[:, 0]
+
+    def warm(self) -> int:
+        own = [(self.fc, None)] + ([(self.fuse, None)] if self.fuse is not None else [])
+        return super().warm() + warm_linears(own)
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)

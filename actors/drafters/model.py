@@ -283,5 +283,8 @@ class ModelDrafter(Drafter):
     def num_active(self) -> int:
         return len(self.slots)
 
+    def warm(self) -> int:
+        return self.runner.warm()
+
     def free_capacity(self) -> int:
         return len(self.free)

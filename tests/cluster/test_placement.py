@@ -21,7 +21,7 @@ from ray import serve
 
 from cluster import serve as S
 from cluster.app import build_app
-from cluster.config import DRAFT_REPLICA_ENV, REPLICA_ENV, ClusterConfig
+from cluster.config import REPLICA_ENV, ClusterConfig
 from specd_client import SpecdClient
 
 
@@ -78,10 +78,10 @@ def test_drafts_on_small_pool_verifier_on_large_pool(nodes):
     seen = {draft.stats.remote().result()["replica_id"]: draft.stats.remote().result()["node_id"]
             for _ in range(8)}
     assert set(seen.values()) == {small}
-    # a draft replica's process too, with its own (smaller) kernel caches
+    # a draft replica's process too
     env = dict(kv.split("=", 1) for kv in Path(f"/proc/{draft.stats.remote().result()['pid']}/environ").read_text()
                .split("\0") if "=" in kv)
-    assert {k: env.get(k) for k in DRAFT_REPLICA_ENV} == DRAFT_REPLICA_ENV
+    assert {k: env.get(k) for k in REPLICA_ENV} == REPLICA_ENV
 
 
 def test_pinned_routing_keeps_each_sequence_on_its_draft_replica(nodes):

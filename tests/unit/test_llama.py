@@ -392,3 +392,62 @@ def test_engine_prepacks_bf16_by_default_and_keeps_its_output():
     assert on.info["prepacked"] and on.drafters["truncated:2"].runner.prepacked and not off.info["prepacked"]
     assert out_on == out_off
     assert not outputs("auto", "fp32")[0].info["prepacked"]
+
+
+def test_row_buckets_bound_padding_and_keep_every_row_exact():
+    """A CPU oneDNN linear pads its rows to a bucket (and splits past ROW_CHUNK): at most a quarter
+    of the rows are padding (an eighth from 256 rows), the set of shapes is small and fixed, and
+    the real rows' results are bit-identical to the unpadded call's, prepacked or not, 2-D or 3-D."""
+    from actors import llama as L
+
+    for m in range(1, L.ROW_CHUNK + 1):
+        b = L.row_bucket(m)
+        assert m <= b <= L.ROW_CHUNK and L.row_bucket(b) == b
+        assert b - m <= (m / 8 if m >= 256 else m / 4)
+    assert len(L.row_buckets()) < 50
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    for weight in (w, torch.ops.mkldnn._reorder_linear_weight(w)):
+        for m in (1, 9, 37, 300, L.ROW_CHUNK + 77):
+            x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
+            assert torch.equal(L.linear(x, weight, bias), L._linear(x, weight, bias))
+            assert torch.equal(L.linear(x.view(1, m, 64), weight), L._linear(x, weight).view(1, m, 96))
+
+
+def test_engine_meets_no_kernel_shape_it_did_not_warm(monkeypatch):
+    """oneDNN compiles and caches a kernel per matmul shape (~0.5 MB each): a server meeting
+    new row counts grows (issue 16's soak). A bf16 engine warms every bucketed shape of its
+    target and drafts when built; then serving mixed prompt lengths, batches and γ (prefill,
+    chains, a token tree) meets no shape it did not warm. Unbucketed rows (a 37-token prompt
+    is a 37-row matmul) or a draft left out of the warm-up (the head's fc and its smaller LM
+    head have shapes of their own) fail this."""
+    from actors import llama as L
+    from actors.build import build_engine
+    from actors.drafters.eagle import EagleDrafter, EagleHead
+    from actors.schema import Request, SamplingParams, SpeculationParams
+
+    seen: list[set] = [set()]
+    plain = L._linear
+
+    def recording(x, w, b=None):
+        seen[-1].add((x.reshape(-1, x.shape[-1]).shape[0], tuple(w.shape), w.is_mkldnn, b is None))
+        return plain(x, w, b)
+
+    monkeypatch.setattr(L, "_linear", recording)
+    head = EagleHead(build_tiny(0, torch.bfloat16), torch.arange(256)).to(torch.bfloat16).eval()
+    eng = build_engine("tiny", ["truncated:2", "ngram"], "bf16", max_batch=4, max_len=256, device="cpu",
+                       extra_drafters={"eagle": EagleDrafter(head, "eagle", max_batch=4, max_len=256)}).engine
+    warmed = seen[-1]
+    assert warmed and all(m in L.row_buckets() for m, *_ in warmed)
+    seen.append(set())
+    rng = torch.Generator().manual_seed(1)
+    reqs = [Request(f"r{i}", torch.randint(3, 500, (n,), generator=rng).tolist(),
+                    SamplingParams(max_tokens=12, ignore_eos=True),
+                    SpeculationParams(draft=d, gamma=g, tree=t))
+            for i, (n, d, g, t) in enumerate([(37, "truncated:2", 3, None), (5, "ngram", 2, None),
+                                              (61, "truncated:2", 0, None), (11, "truncated:2", 4, 6),
+                                              (150, "ngram", 4, None), (23, "eagle", 3, None),
+                                              (44, "eagle", 4, 6)])]
+    assert all(len(c.token_ids) == 12 for c in eng.generate(reqs))
+    assert seen[-1] and seen[-1] <= warmed, sorted(seen[-1] - warmed)
