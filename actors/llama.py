@@ -348,8 +348,9 @@ class LlamaRunner:
 
     def warm(self) -> int:
         """Compile the kernels of the shapes this runner's linears will meet (`warm_linears`): the
-        layers' at every bucket, the LM head's up to 256 rows (a wider pass, e.g. verifying a
-        full batch of token trees, compiles its bucket on first use; warming costs 57 MFLOP a row with SmolLM2's head)."""
+        layers' at every bucket, the LM head's up to 256 rows (each warmed row costs a full LM
+        head, 57 MFLOP with SmolLM2's; a wider pass, e.g. verifying a full batch of token trees,
+        compiles its bucket on first use)."""
         return warm_linears(self.layer_weights()) + warm_linears([(self.lm_head, None)], max_rows=256)
 
 
@@ -401,8 +402,9 @@ def shape_cached(x: torch.Tensor, w: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or oneDNN's linear for a weight `LlamaRunner.prepack` reordered; where the kernel
     is cached per shape, over bucketed row chunks (see ROW_CHUNK). Padded rows are zeros and
-    are dropped: every real row's result is what the unpadded call gives."""
-    if not shape_cached(x, w) or x.numel() == 0:
+    are dropped: every real row's result is what the unpadded call gives. Not under
+    torch.compile (`LlamaRunner.compile`), whose own kernels take dynamic shapes."""
+    if not shape_cached(x, w) or x.numel() == 0 or torch.compiler.is_compiling():
         return _linear(x, w, b)
     x2 = x.reshape(-1, x.shape[-1])
     outs = []
@@ -432,6 +434,7 @@ def warm_linears(weights, max_rows: int = ROW_CHUNK) -> int:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel call `linear` buckets: F.linear, or oneDNN's for a prepacked weight."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
