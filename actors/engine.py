@@ -350,9 +350,15 @@ class SpecEngine:
 
     def observe_drafting(self, fl: Flight) -> None:
         """Tell the policy what each drafter's call cost (shadow drafts included: their cost is
-        what the policy budgets), per drafted position."""
+        what the policy budgets): per drafted position of a chain, per row of a token tree (a
+        call that drafted any tree counts as a tree call)."""
         if self.policy is not None:
             for name, rows, sec in fl.group_s:
+                tree_rows = [b for b in rows if b in fl.parents]
+                if tree_rows:
+                    nodes = max(len(fl.drafts[b]) for b in tree_rows)
+                    self.policy.observe_tree_time(name, nodes, len(tree_rows), sec)
+                    continue
                 self.policy.observe_draft_time(name, max((len(fl.drafts[b]) for b in rows), default=0), sec)
                 if fl.shadow and all(fl.shadow[b] for b in rows):
                     self.policy.observe_shadow_time(name, sec)

@@ -39,7 +39,7 @@ from .schema import AUTO_MAX_GAMMA  # the most the policy proposes per step
 
 TREE_BUDGETS = (4, 8, 16)  # token-tree node budgets the policy weighs against chains
 TREE_DEPTH = 6  # the deepest tree it asks for
-TREE_DRAFT_STEPS = 1.5  # drafting a tree of depth d costs about this many times d chain draft steps
+TREE_DRAFT_STEPS = 1.5  # until measured: drafting a tree of depth d costs about d x this many chain steps
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0  # a cautious prior for a position never observed
 # A tune profile's acceptance counts as this many observations per position: more than the cautious
 # prior, so a measured profile can switch speculation on at once, and fewer than the live evidence
@@ -56,6 +56,7 @@ class DraftPrior:
     step_s: float | None = None  # seconds per drafted position per step
     tree: dict[int, float] = field(default_factory=dict)  # tree budget -> mean accepted path length
     weight: float = PROFILE_WEIGHT  # observations the acceptance (and each tree's) counts as
+    tree_row_s: dict[int, float] = field(default_factory=dict)  # tree budget -> seconds drafting one row's tree
 
 
 @dataclass
@@ -74,6 +75,7 @@ class DrafterEstimate:
     since_shadow: int = 0
     tree: int = 0  # the last choice of tree budget (0: a chain)
     tree_len: dict = field(default_factory=dict)  # budget -> [decayed accepted path length, decayed count]
+    tree_row_s: dict = field(default_factory=dict)  # budget -> seconds drafting one row's tree (EMA)
 
     def conditional(self, j: int, lcb: bool) -> float:
         """P(accept position j | positions < j accepted): decayed counts with a prior."""
@@ -114,6 +116,7 @@ class SpeculationPolicy:
                 e.prior = (list(prior.accept) + e.prior)[:AUTO_MAX_GAMMA]
                 e.prior_weight, e.step_s = prior.weight, prior.step_s
                 e.tree_len = {b: (length * prior.weight, prior.weight) for b, length in prior.tree.items()}
+                e.tree_row_s = dict(prior.tree_row_s)
         return self.est[drafter]
 
     # ---- choosing ------------------------------------------------------------------------------
@@ -129,6 +132,14 @@ class SpeculationPolicy:
         if got is not None and got[1] >= 2:
             return got[0] / got[1]
         return sum(e.accept_curve(lcb=False)[:depth]) * 1.15
+
+    @staticmethod
+    def _tree_draft_s(e: DrafterEstimate, budget: int, depth: int, rows: int) -> float:
+        """Seconds to draft `rows` trees of a budget: measured per row (a tree's cost grows with
+        its rows, unlike a chain step's: 5.6 / 18.8 / 36.3 ms at 1 / 4 / 8 rows for the default
+        head's 4-node trees in `specd tune`), else TREE_DRAFT_STEPS x depth chain steps."""
+        got = e.tree_row_s.get(budget)
+        return rows * got if got is not None else TREE_DRAFT_STEPS * depth * (e.step_s or 0.0)
 
     def choose(self, rows: list[tuple], trees: set[str] = frozenset()) -> list[int]:
         """rows: per row of the pass (drafter or None, γ cap, auto). Returns γ per row: a fixed
@@ -174,7 +185,7 @@ class SpeculationPolicy:
             for budget in TREE_BUDGETS:
                 tokens = other_tokens + n_rows * self._tree_tokens(e, budget, depth)
                 secs = (self.scale * self.cost(B, 1 + max(others + [budget])) + other_draft
-                        + TREE_DRAFT_STEPS * depth * (e.step_s or 0.0))
+                        + self._tree_draft_s(e, budget, depth, n_rows))
                 if tokens / secs > best * 1.02:  # a tree must pay clearly: it costs more to draft
                     best, chosen_tree[d] = tokens / secs, budget
                     g[d] = depth
@@ -253,6 +264,17 @@ class SpeculationPolicy:
         s = seconds / width
         e.step_s = s if e.step_s is None else 0.9 * e.step_s + 0.1 * s
 
+    def observe_tree_time(self, drafter: str, nodes: int, rows: int, seconds: float) -> None:
+        """`drafter` drafted token trees for `rows` rows, the largest of `nodes` nodes, in `seconds`
+        (kept per budget: the smallest that holds the tree, as `observe_tree` keeps acceptance)."""
+        if rows <= 0 or nodes <= 0:
+            return
+        e = self.estimate(drafter)
+        budget = next((b for b in TREE_BUDGETS if nodes <= b), TREE_BUDGETS[-1])
+        s = seconds / rows
+        old = e.tree_row_s.get(budget)
+        e.tree_row_s[budget] = s if old is None else 0.9 * old + 0.1 * s
+
     def observe_shadow_time(self, drafter: str, seconds: float) -> None:
         """One shadow call of `drafter` (all its rows shadow-drafted) took `seconds`."""
         e = self.estimate(drafter)
@@ -274,7 +296,8 @@ class SpeculationPolicy:
                                  "shadow_drafts": e.shadow_drafts, "verified_drafts": e.verified_drafts,
                                  "shadow_call_ms": e.shadow_s * 1e3,
                                  "tree": e.tree, "tree_accepted": {b: round(t / c, 3) for b, (t, c) in
-                                                                    sorted(e.tree_len.items()) if c}}
+                                                                    sorted(e.tree_len.items()) if c},
+                                 "tree_draft_ms_per_row": {b: s * 1e3 for b, s in sorted(e.tree_row_s.items())}}
                              for d, e in self.est.items()}}
 
 

@@ -44,6 +44,7 @@ class TuneProfile:
     accept: list[float]  # per draft position: P(accepted | every earlier draft accepted)
     step_s: dict[int, float]  # batch size -> seconds per drafted position per step
     tree: dict[int, float] = field(default_factory=dict)  # tree budget -> mean accepted path length
+    tree_row_s: dict[int, float] = field(default_factory=dict)  # tree budget -> seconds drafting one row's tree
     created_at: float = 0.0
     report: dict = field(default_factory=dict)  # predictions, the sweep, settings (for people, not the policy)
     path: str = ""  # where it was read from
@@ -54,14 +55,15 @@ class TuneProfile:
         return self.step_s[max(below)]
 
     def prior(self) -> DraftPrior:
-        """What the speculation policy starts this drafter from (draft cost: at batch 1; the
-        policy's live measurement replaces it within a few steps)."""
-        return DraftPrior(list(self.accept), self.draft_step_s(1), dict(self.tree))
+        """What the speculation policy starts this drafter from (draft costs: at batch 1; the
+        policy's live measurements replace them within a few steps)."""
+        return DraftPrior(list(self.accept), self.draft_step_s(1), dict(self.tree), tree_row_s=dict(self.tree_row_s))
 
     def to_json(self) -> dict:
         return {"kind": KIND, "key": self.key, "created_at": self.created_at, "pass_cost": self.pass_cost.to_json(),
                 "accept": self.accept, "step_s": {str(b): s for b, s in sorted(self.step_s.items())},
-                "tree": {str(b): n for b, n in sorted(self.tree.items())}, "report": self.report}
+                "tree": {str(b): n for b, n in sorted(self.tree.items())},
+                "tree_row_s": {str(b): s for b, s in sorted(self.tree_row_s.items())}, "report": self.report}
 
     @classmethod
     def from_json(cls, d: dict, path: str = "") -> "TuneProfile":
@@ -69,7 +71,8 @@ class TuneProfile:
             raise ValueError(f"{path or 'profile'}: not a specd tune profile")
         return cls(d["key"], PassCost.from_json(d["pass_cost"]), [float(a) for a in d["accept"]],
                    {int(b): float(s) for b, s in d["step_s"].items()},
-                   {int(b): float(n) for b, n in d.get("tree", {}).items()}, d.get("created_at", 0.0),
+                   {int(b): float(n) for b, n in d.get("tree", {}).items()},
+                   {int(b): float(s) for b, s in d.get("tree_row_s", {}).items()}, d.get("created_at", 0.0),
                    d.get("report", {}), path)
 
 

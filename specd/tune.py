@@ -389,8 +389,10 @@ def tune(model: str = "smollm2", drafts: tuple[str, ...] = ("ngram",), dtype: st
                             "sweep_range": [min(got.values()), max(got.values())]}
         chain = m["records"][0]
         key = profile_key(hw, built.target.name, d, built.dtype)
+        b1 = min(batches)  # a tree's drafting per row, at the smallest batch (as the prior's chain step)
         prof = TuneProfile(key, cost, chain.conditional(AUTO_MAX_GAMMA), m["step_s"],
-                           {n: m["records"][n].mean_accepted() for n in trees[d]}, time.time(),
+                           {n: m["records"][n].mean_accepted() for n in trees[d]},
+                           {n: m["drafting"][n][b1] / b1 for n in trees[d]}, time.time(),
                            {"rows": rows, "by_batch": by_batch, "prompts": len(prompts), "max_tokens": max_tokens})
         paths = [str(save(prof, out / f"profile-{_slug(d)}.json"))]
         if store:

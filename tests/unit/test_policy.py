@@ -14,6 +14,7 @@ from actors.drafters import ModelDrafter, NgramDrafter
 from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
 from actors.policy import AUTO_MAX_GAMMA, SpeculationPolicy
+from actors.schema import Request, SamplingParams, SpeculationParams
 from helpers import rand_tokens, request, run
 
 
@@ -108,6 +109,37 @@ def test_shadow_drafts_cost_what_they_measured_within_the_budget():
     n = shadows(2000)
     assert n == 10 and n * 0.040 <= p.shadow_budget * 2000 * p.last_pass_s * (1 + 1e-9)
     assert p.wants_shadow("n", free=True)  # free drafting (n-gram) shadows every step
+
+
+def test_a_tree_costs_what_drafting_it_measured():
+    """A token tree is weighed against the chain at its drafting cost: by the model (1.5 x depth
+    chain steps) until measured, then per row as measured. Here 8-node trees accept 5 tokens
+    and win while cheap by the model; measured at 30 ms a row (a 10 ms pass), the chain wins.
+    A policy that keeps the model's charge (as it did) keeps choosing the tree."""
+    p = SpeculationPolicy(flat())
+    trained(p, "d", 0.8)
+    p.observe_draft_time("d", 4, 4 * 0.001)  # 1 ms per chain position
+    for _ in range(20):
+        p.observe_tree("d", [8], [5])
+    rows = [("d", 8, True)]
+    p.choose(rows, trees={"d"})
+    assert p.tree_for("d") == 8
+    for _ in range(20):
+        p.observe_tree_time("d", 8, 1, 0.030)
+    assert p.choose(rows, trees={"d"})[0] > 0 and p.tree_for("d") == 0
+    assert p.state()["drafters"]["d"]["tree_draft_ms_per_row"] == {8: pytest.approx(30.0)}
+
+
+def test_engine_reports_tree_drafting_per_row_and_chains_per_position(tiny):
+    """The engine tells the policy what a tree call cost apart from chain steps: requests asking
+    for trees (tree=4) leave a per-row tree cost and no chain cost; a chain request, the reverse."""
+    eng = engine(tiny, flat())
+    tree = SpeculationParams(draft="truncated:2", gamma=3, tree=4)
+    run(eng, [Request(f"t{i}", RANDOM[:8 + i], SamplingParams(max_tokens=10), tree) for i in range(2)])
+    est = eng.policy.est["truncated:2"]
+    assert set(est.tree_row_s) == {4} and est.tree_row_s[4] > 0 and est.step_s is None
+    run(eng, [request("c", RANDOM, "truncated:2", 3, max_tokens=10)])
+    assert est.step_s is not None and est.step_s > 0
 
 
 def test_dtype_choice_follows_the_expected_batch():

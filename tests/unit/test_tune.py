@@ -107,6 +107,7 @@ def test_tune_writes_a_profile_that_the_engine_and_a_verifier_use(tmp_path, monk
     prof = TuneProfile.from_json(json.loads(stored.read_text()))
     assert prof.key["hardware"] == hardware("cpu") and prof.key["quant"] == "none"
     assert len(prof.accept) == AUTO_MAX_GAMMA and set(prof.step_s) == {1, 2} and set(prof.tree) == {4}
+    assert set(prof.tree_row_s) == {4} and prof.tree_row_s[4] > 0
     assert (out / "tune.png").stat().st_size > 0 and "predicted best" in (out / "tune.txt").read_text()
     assert set(report["drafts"]["ngram"]["by_batch"]) == {1, 2}
     # the prompts repeat themselves: the n-gram drafter's measured acceptance is not the cautious prior
@@ -117,6 +118,7 @@ def test_tune_writes_a_profile_that_the_engine_and_a_verifier_use(tmp_path, monk
         return (eng.policy.cost.points == prof.pass_cost.points and e.prior == prof.accept
                 and e.prior_weight == PROFILE_WEIGHT and e.step_s == prof.step_s[1]
                 and e.tree_len == {4: (prof.tree[4] * PROFILE_WEIGHT, PROFILE_WEIGHT)}
+                and e.tree_row_s == prof.tree_row_s
                 and eng.policy.state()["profiled_drafters"] == [name])
 
     # an engine on this machine finds it in the store
