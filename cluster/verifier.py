@@ -210,7 +210,7 @@ class VerifierServer:
                         log.exception("batcher op %s failed", op)
                         if op in ("pipeline", "abort_ids"):
                             _, loop, fut = arg
-                            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+                            loop.call_soon_threadsafe(lambda err=e: fut.done() or fut.set_exception(err))
             except queue.Empty:
                 pass
             now = time.monotonic()
