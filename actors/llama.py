@@ -337,21 +337,14 @@ class LlamaRunner:
         """hidden [..., E] -> logits [..., V] (in the model dtype)."""
         return linear(hidden, self.lm_head)
 
-    def layer_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """One (weight, bias) per distinct kind of decoder-layer linear: a layer's four, once per
-        format (a mixed int8 runner keeps some layers in bf16)."""
-        kinds = {}
-        for w in self.layers:
-            for wb in ((w.wqkv, w.bqkv), (w.wo, None), (w.w_gate_up, None), (w.w_down, None)):
-                kinds.setdefault((type(wb[0]), wb[0].is_mkldnn, wb[0].dtype, tuple(wb[0].shape), wb[1] is None), wb)
-        return list(kinds.values())
-
     def warm(self) -> int:
         """Compile the kernels of the shapes this runner's linears will meet (`warm_linears`): the
         layers' at every bucket, the LM head's up to 256 rows (each warmed row costs a full LM
         head, 57 MFLOP with SmolLM2's; a wider pass, e.g. verifying a full batch of token trees,
         compiles its bucket on first use)."""
-        return warm_linears(self.layer_weights()) + warm_linears([(self.lm_head, None)], max_rows=256)
+        layers = [wb for w in self.layers for wb in ((w.wqkv, w.bqkv), (w.wo, None), (w.w_gate_up, None),
+                                                     (w.w_down, None))]
+        return warm_linears(layers) + warm_linears([(self.lm_head, None)], max_rows=256)
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -404,31 +397,46 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     is cached per shape, over bucketed row chunks (see ROW_CHUNK). Padded rows are zeros and
     are dropped: every real row's result is what the unpadded call gives. Not under
     torch.compile (`LlamaRunner.compile`), whose own kernels take dynamic shapes."""
-    if not shape_cached(x, w) or x.numel() == 0 or torch.compiler.is_compiling():
+    if not shape_cached(x, w) or torch.compiler.is_compiling():
         return _linear(x, w, b)
-    x2 = x.reshape(-1, x.shape[-1])
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m <= ROW_CHUNK and row_bucket(m) == m:  # the common decode case: nothing to pad
+        return _linear(x, w, b)
+    x2 = x.reshape(m, k)
     outs = []
-    for i in range(0, x2.shape[0], ROW_CHUNK):
+    for i in range(0, m, ROW_CHUNK):
         c = x2[i:i + ROW_CHUNK]
-        m = c.shape[0]
-        pad = row_bucket(m) - m
-        outs.append(_linear(F.pad(c, (0, 0, 0, pad)) if pad else c, w, b)[:m])
+        n = c.shape[0]
+        pad = row_bucket(n) - n
+        outs.append(_linear(F.pad(c, (0, 0, 0, pad)) if pad else c, w, b)[:n])
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+_WARMED: set = set()  # (kind of weight, rows) whose kernel this process has compiled
 
 
 def warm_linears(weights, max_rows: int = ROW_CHUNK) -> int:
     """Run each (weight, bias) once at every row bucket up to max_rows, so that the kernels a
     server will use are compiled before its first request rather than during its first minutes
-    of traffic. A no-op where kernels are not cached per shape. Returns the shapes warmed."""
+    of traffic. oneDNN's caches are per process, and so is this record of what was warmed: a
+    kind of weight warmed once (another layer, a truncated self-draft sharing the target's
+    shapes, a second engine) is not run again. A no-op where kernels are not cached per shape.
+    Returns the shapes warmed now."""
     n = 0
     with torch.inference_mode():
         for w, b in weights:
-            x = torch.zeros(max_rows, w.shape[-1], dtype=w.dtype, device=w.device)
+            kind = (type(w), w.is_mkldnn, w.dtype, w.device, tuple(w.shape), b is None)
+            rows = [m for m in row_buckets(max_rows) if (kind, m) not in _WARMED]
+            if not rows:
+                continue
+            x = torch.zeros(rows[-1], w.shape[-1], dtype=w.dtype, device=w.device)
             if not shape_cached(x, w):
                 continue
-            for m in row_buckets(max_rows):
+            for m in rows:
                 _linear(x[:m], w, b)
+                _WARMED.add((kind, m))
                 n += 1
     return n
 

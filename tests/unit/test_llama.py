@@ -435,6 +435,7 @@ def test_engine_meets_no_kernel_shape_it_did_not_warm(monkeypatch):
         return plain(x, w, b)
 
     monkeypatch.setattr(L, "_linear", recording)
+    monkeypatch.setattr(L, "_WARMED", set())  # record the warm-up even where another test warmed these shapes
     head = EagleHead(build_tiny(0, torch.bfloat16), torch.arange(256)).to(torch.bfloat16).eval()
     eng = build_engine("tiny", ["truncated:2", "ngram"], "bf16", max_batch=4, max_len=256, device="cpu",
                        extra_drafters={"eagle": EagleDrafter(head, "eagle", max_batch=4, max_len=256)}).engine
