@@ -18,8 +18,8 @@ For each draft, on the hardware at hand (`calibrate.hardware()`: GPU name, or CP
               P(W ≤ w) = P(min(k, γ) ≤ w)^B. d(γ): the drafting the calibration steps spent at
               batch B, per drafted position × γ for a chain (the widest row's draft is how many
               draft steps ran), per step for a tree budget (the tree's depth and width are the
-              drafter's; 1.5 × depth chain steps, the policy's model, overcharged them:
-              tree 4 at batch 1 predicted 26 tokens/s, measured 37). With a_j = α for every j, E(γ) is
+              drafter's; 1.5 × depth chain steps, the policy's charge until it measures a tree,
+              overcharged them: tree 4 at batch 1 predicted 26 tokens/s, measured 37). With a_j = α for every j, E(γ) is
               Leviathan's (1 - α^(γ+1)) / (1 - α). An engine step costs more than its pass and
               its drafting (logits to host, acceptance, per-row bookkeeping, a drafter's
               catch-up on accepted tokens): o(B, W) is fitted by non-negative least squares to
@@ -122,23 +122,15 @@ class StepOverhead:
     @classmethod
     def fit(cls, samples: list[tuple[int, int, bool, float]]) -> "StepOverhead":
         """samples: (rows, widest draft W, drafting, seconds beyond pass and drafting) per step.
-        Least squares with every coefficient ≥ 0 (each term is a cost; unconstrained, a negative
-        per-row term fitted at one batch size turns into a large constant at another): the best
-        fit over the subsets of terms whose own least-squares solution is non-negative."""
+        Non-negative least squares (scipy's `nnls`): each term is a cost, and unconstrained, a
+        negative per-row term fitted at one batch size turns into a large constant at another."""
+        from scipy.optimize import nnls
+
         if len(samples) < 5:
             return cls()
-        x = torch.tensor([[1.0, b, float(d), b * w] for b, w, d, _ in samples], dtype=torch.float64)
-        y = torch.tensor([[s] for *_, s in samples], dtype=torch.float64)
-        best, best_err = [0.0] * 4, float(y.square().sum())
-        for mask in range(1, 16):
-            cols = [j for j in range(4) if mask >> j & 1]
-            sol = torch.linalg.lstsq(x[:, cols], y).solution[:, 0]
-            err = float((x[:, cols] @ sol[:, None] - y).square().sum())
-            if bool((sol >= 0).all()) and err < best_err:
-                best, best_err = [0.0] * 4, err
-                for j, c in zip(cols, sol.tolist()):
-                    best[j] = c
-        return cls(tuple(best), len(samples))
+        x = [[1.0, b, float(d), b * w] for b, w, d, _ in samples]
+        coef, _ = nnls(x, [s for *_, s in samples])
+        return cls(tuple(float(c) for c in coef), len(samples))
 
 
 def predict_tps(cost: PassCost, rec: DraftRecord | None, rows: int, gamma: int, draft_s: float,
