@@ -72,7 +72,7 @@ protos: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-# k8s/ against the KubeRay RayService CRD (../shared/k8s-schemas/, or KUBERAY_CRD=...) and the
+# k8s/ against the KubeRay RayService CRD (k8s/schemas/, or KUBERAY_CRD=...) and the
 # core objects against kubernetes-validate (specd/k8s_check.py); outside `make test`
 k8s-check: $(STAMP)
 	$(BIN)/python -m specd.k8s_check

@@ -20,7 +20,8 @@ from .calibrate import TOKENS, PassCost, calibrated, choose_dtype, hardware
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
-from .llama import LlamaRunner
+from . import cpu
+from .llama import PACKABLE, LlamaRunner
 from .models import LoadedModel, check_draft_compatible, load_model, resolve_device, vocab_fingerprint
 from .schema import PREPACK_CHOICES
 from .tune_profile import matching
@@ -152,43 +153,105 @@ class Built:
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
-    """`runner` with its weights in oneDNN's prepacked layout (`LlamaRunner.prepack`) when asked:
-    "on"; "auto" (the default) for bf16 only, where the result is bit-identical to F.linear (fp32
-    prepacked rounds differently from MKL in the last bits, so it waits for "on"); "off"."""
+    """`runner` with its weights in oneDNN's prepacked layout (`LlamaRunner.prepack`): "on" (refused
+    with `cpu.require`'s message where this CPU cannot run that layout in the runner's dtype);
+    "off"; "auto": bf16 where the layout runs (it is bit-identical to F.linear there). fp32
+    prepacked rounds differently from MKL in the last bits, so "auto" leaves it to `load_target`,
+    which measures it."""
     if prepack not in PREPACK_CHOICES:
         raise ValueError(f"prepack must be one of {list(PREPACK_CHOICES)}, got {prepack!r}")
-    if prepack == "on" or (prepack == "auto" and runner.dtype == torch.bfloat16):
+    if runner.device.type != "cpu" or prepack == "off":
+        return runner
+    if prepack == "on":
+        dt = next((k for k, v in _TORCH_DTYPES.items() if v == runner.dtype), None)
+        if dt is not None:
+            _require_prepack(dt)
         runner.prepack()
+    elif runner.dtype == torch.bfloat16:
+        runner.prepack()  # keeps what this CPU cannot pack as it is
     return runner
 
 
+@dataclass
+class Target:
+    """The target as `load_target` chose to run it."""
+    model: LoadedModel
+    cost: PassCost | None  # its calibrated pass cost, as it runs (None: not calibrated)
+    dtype: str  # "bf16" or "fp32"
+    prepack: str  # "on" or "off": the layout its runner and the model drafts take
+    why: str  # the choice and the measurements behind it, and the CPU paths this machine lacks
+
+
+def _layouts(dtype: str, prepack: str, on_cpu: bool) -> list[str]:
+    """The weight layouts `load_target` may run a dtype in. Under "auto": bf16 prepacked wherever it
+    runs (the kernel a plain bf16 matmul runs, minus the per-call reorder: bit-identical and never
+    slower), fp32 both ways where prepacked fp32 runs (oneDNN's kernel against MKL's: measured)."""
+    path = PACKABLE[_TORCH_DTYPES[dtype]]
+    if not on_cpu or prepack == "off":
+        return ["off"]
+    if prepack == "on":
+        _require_prepack(dtype)
+        return ["on"]
+    if not cpu.available(path):
+        return ["off"]
+    return ["on"] if dtype == "bf16" else ["on", "off"]
+
+
+def _require_prepack(dtype: str) -> None:
+    cpu.require(PACKABLE[_TORCH_DTYPES[dtype]], f"prepack: on (dtype {dtype})",
+                "prepack: auto or off" + (", or dtype: fp32" if dtype == "bf16" else ""))
+
+
 def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
-                decode_only: bool = False, prepack: str = "auto") -> tuple[LoadedModel, PassCost | None, str, str]:
-    """The target in its dtype, with its calibrated pass cost (measured as `prepack` will run
-    it). dtype "auto": measure bf16 and fp32 on this hardware (cached per hardware and model, see
-    calibrate.py) and keep the one that decodes fastest per token at `max_batch` rows. Never a
-    lossy (quantized) target. decode_only: time one-token passes only (a draft replica choosing
-    its dtype). Returns (model, pass cost or None, dtype, why)."""
+                decode_only: bool = False, prepack: str = "auto") -> Target:
+    """The target in the dtype and weight layout it runs fastest in here, with its calibrated pass
+    cost. Each (dtype, layout) this CPU can run (`cpu.probe`) and the settings allow is measured
+    (cached per hardware and model, see calibrate.py); the one that decodes fastest per token at
+    `max_batch` rows is kept. dtype "auto" weighs bf16 and fp32; prepack "auto" takes or weighs
+    the prepacked layout (`_layouts`). Never a lossy (quantized) target. An explicit setting
+    the CPU cannot run (dtype bf16, prepack on) fails here with a message naming what is missing.
+    calibrate=False (a quantized target, calibrated as quantized by the caller): no measurement,
+    the first option (bf16 before fp32, prepacked before plain). decode_only: time one-token passes only (a draft replica)."""
     tokens = (1,) if decode_only else TOKENS
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    if prepack not in PREPACK_CHOICES:
+        raise ValueError(f"prepack must be one of {list(PREPACK_CHOICES)}, got {prepack!r}")
     device = resolve_device(device)
-    if dtype != "auto":
-        target = load_model(model, dtype, device)
-        cost = calibrated(with_prepack(LlamaRunner(target.model), prepack), target.name, max_batch, device,
-                          tokens=tokens) \
-            if calibrate else None
-        return target, cost, dtype, f"{dtype}: as configured"
+    on_cpu = device == "cpu"
+    missing = cpu.unavailable_line() if on_cpu else ""
+    if dtype == "bf16" and on_cpu:
+        cpu.require("bf16", "dtype: bf16", "dtype: auto or fp32")
+    dtypes = [dtype] if dtype != "auto" else ["bf16", "fp32"] if not on_cpu or cpu.available("bf16") else ["fp32"]
+    options = [(dt, lay) for dt in dtypes for lay in _layouts(dt, prepack, on_cpu)]
+    note = f"; unavailable here: {missing}" if missing else ""
+    if not calibrate:
+        dt, lay = options[0]
+        return Target(load_model(model, dt, device), None, dt, lay, f"{_label((dt, lay))}: as configured{note}")
     costs, loaded = {}, {}
-    for dt in ("bf16", "fp32"):
-        t = load_model(model, dt, device)
-        costs[dt] = calibrated(with_prepack(LlamaRunner(t.model), prepack), t.name, max_batch, device, tokens=tokens)
-        loaded[dt] = t
-    best, why = choose_dtype(costs, max_batch)
-    return loaded[best], costs[best], best, why
+    for dt, lay in options:
+        if dt not in loaded:
+            loaded[dt] = load_model(model, dt, device)
+        t = loaded[dt]
+        costs[dt, lay] = calibrated(with_prepack(LlamaRunner(t.model), lay), t.name, max_batch, device,
+                                    tokens=tokens)
+    if len(options) == 1:
+        (dt, lay), = options
+        why = f"{_label((dt, lay))}: " + ("as configured" if (dtype, prepack) == (dt, lay) else
+                                          "the only option these settings leave here")
+    else:
+        (dt, lay), why = choose_dtype(costs, max_batch, _label)
+    return Target(loaded[dt], costs[dt, lay], dt, lay, why + note)
+
+
+def _label(option: tuple[str, str]) -> str:
+    """(dtype, prepack) -> "fp32+prepacked", "bf16", ..."""
+    dtype, prepack = option
+    return f"{dtype}+prepacked" if prepack == "on" else dtype
 
 
 def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "auto",
@@ -218,7 +281,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
     dq = draft_quant if isinstance(draft_quant, dict) else {name: draft_quant for name in named}
     prepack = "off" if compile else prepack
-    target, cost, dt, why = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack)
+    chosen = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack)
+    target, cost, dt, prepack, why = chosen.model, chosen.cost, chosen.dtype, chosen.prepack, chosen.why
     max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():
@@ -243,6 +307,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     for name, prof in profiles.items():
         engine.policy.set_prior(name, prof.prior())
     engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant, prepacked=runner.prepacked,
+                       cpu_paths={n: p.reason or "ok" for n, p in cpu.probes().items()} if device == "cpu"
+                       else {},
                        draft_quant={n: getattr(getattr(d, "runner", None), "quant", "none")
                                     for n, d in drafters.items() if getattr(d, "runner", None) is not None},
                        tune_profiles={name: prof.path for name, prof in profiles.items()})

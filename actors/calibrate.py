@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu
 from .llama import LlamaRunner, context_features
 
 FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
@@ -182,6 +183,8 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
         key["quant"] = runner.quant
     if getattr(runner, "prepacked", False):
         key["prepacked"] = True
+    if runner.dtype != torch.float32 and not cpu.onednn_bf16():
+        key["onednn_bf16"] = False  # plain bf16 matmuls off oneDNN (actors/cpu.py): another kernel
     path = cache_path(key)
     if use_cache and path.exists():
         try:
@@ -234,10 +237,11 @@ def draft_step_seconds(drafter, context: list[int], target: LlamaRunner | None =
     return max(med(t3) - med(t1), 0.0) / 2
 
 
-def choose_dtype(costs: dict[str, PassCost], expected_batch: int) -> tuple[str, str]:
-    """The dtype whose decode step costs least per token at the expected batch, and why.
-    Lossless dtypes only: the caller never offers a quantized target."""
-    per_token = {dt: c.per_token(expected_batch) for dt, c in costs.items()}
+def choose_dtype(costs: dict, expected_batch: int, label=str) -> tuple:
+    """The option (a dtype, or any key: `load_target` weighs (dtype, weight layout) pairs) whose
+    decode step costs least per token at the expected batch, and why (`label` names a key).
+    Lossless options only: the caller never offers a quantized target."""
+    per_token = {k: c.per_token(expected_batch) for k, c in costs.items()}
     best = min(per_token, key=per_token.get)
-    why = ", ".join(f"{dt} {s * 1e3:.1f} ms/token" for dt, s in sorted(per_token.items(), key=lambda kv: kv[1]))
-    return best, f"{best}: least time per token at batch {expected_batch} (max_batch) — {why}"
+    why = ", ".join(f"{label(k)} {s * 1e3:.1f} ms/token" for k, s in sorted(per_token.items(), key=lambda kv: kv[1]))
+    return best, f"{label(best)}: least time per token at batch {expected_batch} (max_batch) — {why}"

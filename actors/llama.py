@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu
+
 
 @dataclass
 class LayerWeights:
@@ -318,19 +320,21 @@ class LlamaRunner:
         2+ tokens, where MKL's small-M path costs twice a GEMV, but rounding differs from MKL's in the
         last bits. Costs a second copy of those weights (the model's own stay for other runners that
         share them: a truncated self-draft, an HF forward). Int8 (torchao) weights are left as they
-        are. No-op where oneDNN is unavailable or on a GPU."""
-        if self.device.type != "cpu" or not prepack_available():
+        are. A weight whose dtype's layout this CPU cannot run (`cpu.probe`: prepack-bf16,
+        prepack-fp32) stays as it is; `build.with_prepack` refuses an explicit "on" there. No-op on a GPU."""
+        if self.device.type != "cpu":
             return self
 
         def pack(w):
-            if type(w) is not torch.Tensor or w.is_mkldnn or w.dtype not in (torch.float32, torch.bfloat16):
+            if type(w) is not torch.Tensor or w.is_mkldnn or w.dtype not in PACKABLE \
+                    or not cpu.available(PACKABLE[w.dtype]):
                 return w
             return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
         for layer in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 setattr(layer, name, pack(getattr(layer, name)))
         self.lm_head = pack(self.lm_head)
-        self.prepacked = True
+        self.prepacked = self.lm_head.is_mkldnn or any(w.wqkv.is_mkldnn for w in self.layers)
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -358,8 +362,7 @@ def context_features(runner: LlamaRunner, context: list[int], features: tuple[in
         return runner.forward(runner.new_cache(1, len(context) + 1), [0], ids, features=features)[1][0, :-1]
 
 
-def prepack_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACKABLE = {torch.bfloat16: "prepack-bf16", torch.float32: "prepack-fp32"}  # dtype -> its `cpu` probe
 
 
 # oneDNN (the CPU path of a prepacked or a bf16 linear) JIT-compiles a kernel for every input shape
@@ -388,8 +391,10 @@ def row_buckets(max_rows: int = ROW_CHUNK) -> list[int]:
 
 def shape_cached(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether x @ w.T runs a per-shape cached oneDNN kernel: a CPU matmul with a prepacked
-    weight or in a reduced precision (fp32 goes to MKL; an int8 weight is a torchao tensor)."""
-    return x.device.type == "cpu" and (w.is_mkldnn or (type(w) is torch.Tensor and w.dtype != torch.float32))
+    weight, or in a reduced precision where ATen sends those to oneDNN (`cpu.onednn_bf16`; fp32
+    goes to MKL; an int8 weight is a torchao tensor)."""
+    return x.device.type == "cpu" and (w.is_mkldnn or (type(w) is torch.Tensor and w.dtype != torch.float32
+                                                       and cpu.onednn_bf16()))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,8 +53,8 @@ class DraftDeployment:
         from actors.build import load_target, make_drafter, ready_drafter
 
         torch.set_num_threads(torch_threads)
-        target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)[0]
-        drafter = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, quant, prepack)
+        target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)
+        drafter = ready_drafter(make_drafter(spec, target.model, max_batch, max_len), spec, quant, target.prepack)
         drafter.warm()
         self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
         start_heap_trim()

@@ -13,10 +13,10 @@ declared when `specd serve` starts Ray.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from actors.schema import MAX_GAMMA, RESERVED_DRAFTS, Limits
 
@@ -38,6 +38,14 @@ REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALL
 
 QuantMode = Literal["none", "int8-weight", "int8-dynamic", "mixed"]  # actors.schema.QUANT_MODES (a test checks)
 PrepackChoice = Literal["auto", "on", "off"]  # actors.schema.PREPACK_CHOICES (the same test)
+
+
+def _yaml_switch(v):
+    """YAML 1.1 reads a plain on/off (and yes/no) as a boolean: take it as the switch it spelled."""
+    return ("on" if v else "off") if isinstance(v, bool) else v
+
+
+Switch = Annotated[PrepackChoice, BeforeValidator(_yaml_switch)]  # `prepack: off` in YAML arrives as False
 
 
 class _Strict(BaseModel):
@@ -201,9 +209,9 @@ class ClusterConfig(_Strict):
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto' measures "
                                                    "both on the hardware at load and keeps the faster at the "
                                                    "verifier's max_batch (never a quantized target)")
-    prepack: PrepackChoice = Field("auto", description="CPU: hold weights in oneDNN's prepacked "
-                                                  "layout (actors.build.with_prepack); 'auto': bf16 only, where "
-                                                  "it is bit-identical and ~1.6x faster per pass here")
+    prepack: Switch = Field("auto", description="CPU: hold weights in oneDNN's prepacked layout "
+                            "(actors.build.load_target); 'auto': where this CPU runs it (actors/cpu.py) and "
+                            "the load-time measurement finds it faster; 'on' fails at load where it cannot run")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
     grpc_port: int = Field(9000, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535, description="Serve's HTTP proxy: the OpenAI-compatible API")

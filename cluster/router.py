@@ -446,7 +446,9 @@ class Router:
             rep = r.replicas.add(replica_id=v["replica_id"], role="verifier", active_sequences=v["active_sequences"],
                                  kv_slots_in_use=v["kv_slots_in_use"], kv_slots_total=v["kv_slots_total"],
                                  dtype=v["engine"].get("dtype", ""), dtype_reason=v["engine"].get("dtype_reason", ""),
-                                 hardware=hardware_line(v["engine"].get("hardware", {})))
+                                 hardware=hardware_line(v["engine"].get("hardware", {})),
+                                 prepacked=bool(v["engine"].get("prepacked")),
+                                 cpu_paths=v["engine"].get("cpu_paths", {}))
             for name, st in ((v.get("policy") or {}).get("drafters") or {}).items():
                 rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],
                                acceptance=st["accept_curve"], steps=st["steps"],

@@ -189,7 +189,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy")
+    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths")
+    class CpuPathsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +206,8 @@ class ReplicaStats(_message.Message):
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREPACKED_FIELD_NUMBER: _ClassVar[int]
+    CPU_PATHS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     active_sequences: int
@@ -208,7 +217,9 @@ class ReplicaStats(_message.Message):
     dtype_reason: str
     hardware: str
     policy: _containers.RepeatedCompositeFieldContainer[DraftPolicy]
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ...) -> None: ...
+    prepacked: bool
+    cpu_paths: _containers.ScalarMap[str, str]
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
     __slots__ = ("draft", "gamma", "speculated_share", "acceptance", "steps", "speculated_steps")

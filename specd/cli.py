@@ -51,7 +51,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the target's layer math (opt-in)")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache positions per sequence")
     p.add_argument("--prepack", default="auto", choices=PREPACK_CHOICES,
-                   help="CPU: weights in oneDNN's prepacked layout (auto: bf16 only, bit-identical there)")
+                   help="CPU: weights in oneDNN's prepacked layout (auto: where this CPU runs it and it measures "
+                        "faster; on: fails where it cannot run; see actors/cpu.py and SPECD_DISABLE)")
     p.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="the target's int8 mode (torchao). LOSSY: output differs from the unquantized target")
     p.add_argument("--draft-quant", default="none", choices=QUANT_MODES,
@@ -287,6 +288,8 @@ def _generate(args) -> int:
                          device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
                          prepack=args.prepack)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
+    if not args.json:
+        print(f"[specd] target {built.dtype_reason}", file=sys.stderr)
     req = Request(uuid.uuid4().hex, ids,
                   SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), num_beams=args.num_beams,
@@ -309,7 +312,9 @@ def _generate(args) -> int:
     stats = done.stats.to_dict() | {"tokens": len(done.token_ids), "seconds": dt,
                                     "tokens_per_s": len(done.token_ids) / dt, "finish_reason": done.finish_reason}
     if args.json:
-        print(json.dumps({"token_ids": done.token_ids, "text": done.text, "stats": stats}))
+        print(json.dumps({"token_ids": done.token_ids, "text": done.text, "stats": stats, "dtype": built.dtype,
+                          "prepacked": built.engine.info["prepacked"], "dtype_reason": built.dtype_reason,
+                          "cpu_paths": built.engine.info["cpu_paths"]}))
     else:
         print(f"\n[{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, "
               f"α={stats['acceptance_rate']:.2f}, mean accepted length {stats['mean_accepted_length']:.2f}]",
@@ -420,7 +425,7 @@ def _demo_cluster(args) -> int:
                   f"(replicas: {', '.join(roles)})", flush=True)
             for r in reps:
                 if r.role == "verifier":
-                    print(f"[specd demo] verifier on {r.hardware}\n[specd demo] target dtype {r.dtype_reason}",
+                    print(f"[specd demo] verifier on {r.hardware}\n[specd demo] target {r.dtype_reason}",
                           flush=True)
             msgs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
 
@@ -516,7 +521,8 @@ def _demo_local(args) -> int:
                     print(d.text, end="", flush=True)
         return n, time.perf_counter() - t0, stats
 
-    print(f"[specd demo] target SmolLM2-135M-Instruct ({args.dtype}), draft {args.draft}, γ={gamma}")
+    print(f"[specd demo] target SmolLM2-135M-Instruct in {built.dtype_reason}\n[specd demo] draft {args.draft}, "
+          f"γ={gamma}")
     for i, q in enumerate(DEMO_QUESTIONS):
         print(f"\n>>> {q}\n", flush=True)
         one(i, spec, gamma, show=True)  # streamed for reading; also warms up

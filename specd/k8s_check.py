@@ -4,7 +4,8 @@
 
 * A `RayService` is checked against the KubeRay operator's CRD, its OpenAPI v3 schema
   (`spec.versions[0].schema.openAPIV3Schema`), read from `--crd`, else `$KUBERAY_CRD`, else
-  `../shared/k8s-schemas/ray.io_rayservices.yaml` beside the repository. Two passes:
+  the copy in this repository, `k8s/schemas/ray.io_rayservices.yaml` (its source and version:
+  `k8s/schemas/README.md`). Two passes:
     1. `jsonschema` (Draft 4, the dialect OpenAPI 3.0 extends) for types, required fields,
        enums, patterns and bounds; `nullable` is translated, `format: int32/int64` range-checked.
     2. A walk of the structural schema for what JSON Schema does not say but the API server
@@ -42,7 +43,7 @@ import jsonschema
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CRD = ROOT.parent / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml"
+DEFAULT_CRD = ROOT / "k8s" / "schemas" / "ray.io_rayservices.yaml"
 INT_RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
 EMBEDDED_KEYS = ("apiVersion", "kind", "metadata")  # implied by x-kubernetes-embedded-resource
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -123,6 +123,9 @@ class ReplicaStats:
     # acceptance estimate per position, and step counts:
     # {"draft": {"gamma", "speculated_share", "acceptance", "steps", "speculated_steps"}}
     policy: dict[str, dict[str, Any]] = field(default_factory=dict)
+    prepacked: bool = False  # verifiers on a CPU: the target's weights in oneDNN's prepacked layout
+    # verifiers on a CPU: each optional fast path's trial at load, "ok" or why it is unavailable
+    cpu_paths: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -219,7 +222,8 @@ def _stats(r: specd_pb2.StatsResponse) -> Stats:
                                         x.kv_slots_total, x.dtype, x.dtype_reason, x.hardware,
                                         {p.draft: {"gamma": p.gamma, "speculated_share": p.speculated_share,
                                                    "acceptance": list(p.acceptance), "steps": p.steps,
-                                                   "speculated_steps": p.speculated_steps} for p in x.policy})
+                                                   "speculated_steps": p.speculated_steps} for p in x.policy},
+                                        x.prepacked, dict(x.cpu_paths))
                            for x in r.replicas],
                  uptime_seconds=r.uptime_seconds, failovers_total=r.failovers_total)
 

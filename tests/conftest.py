@@ -8,12 +8,19 @@ must treat these models as read-only.
 `hf_greedy` memoises Hugging Face `generate` references (the oracle of the
 greedy-equivalence tests), so several tests can compare against the same
 SmolLM2 continuation without paying for it twice.
+
+`cpu_paths_off` forces optional CPU fast paths off for one test (`actors/cpu.py`,
+SPECD_DISABLE), so the fallbacks of an AVX2-only machine run on any machine. CI also runs
+the unit tests a second time with SPECD_DISABLE=all for the whole process.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from actors import cpu
 from actors.models import load_model
 
 
@@ -67,3 +74,21 @@ def hf_greedy():
         return list(memo[key])
 
     return run
+
+
+@pytest.fixture
+def cpu_paths_off():
+    """cpu_paths_off("prepack-bf16") -> forces those paths' probes to fail for this test, as on a CPU
+    without them ("all": every optional fast path); the variable and the probes are restored after."""
+    before = os.environ.get(cpu.DISABLE_ENV)
+
+    def force(names: str = "all") -> None:
+        os.environ[cpu.DISABLE_ENV] = ",".join(filter(None, [before, names]))
+        cpu.reset()
+
+    yield force
+    if before is None:
+        os.environ.pop(cpu.DISABLE_ENV, None)
+    else:
+        os.environ[cpu.DISABLE_ENV] = before
+    cpu.reset()

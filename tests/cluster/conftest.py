@@ -8,11 +8,24 @@ configs, and one module must not see another's state).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cluster import serve as S
 from cluster.config import ClusterConfig
 from specd_client import SpecdClient
+
+
+# pytest-timeout's limit for each test here (pyproject's default is 300 s): the first test of a module
+# also starts Ray and Serve and waits for the replicas; `make fuzz` adds its own time budget.
+CLUSTER_TIMEOUT = 900 + int(os.environ.get("SPECD_FUZZ_SECONDS", "0"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/cluster/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.timeout(CLUSTER_TIMEOUT))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""specd/k8s_check.py (`make k8s-check`) against the real KubeRay CRD in ../shared/k8s-schemas/:
+"""specd/k8s_check.py (`make k8s-check`) against the real KubeRay CRD in k8s/schemas/:
 the shipped manifests pass; a planted unknown field, a wrong type, a duplicate list-map key and a
 bad Service each fail, naming the path. Needs no network and no Kubernetes."""
 from __future__ import annotations
@@ -11,10 +11,6 @@ import yaml
 from specd import k8s_check as K
 
 RAYSERVICE = K.ROOT / "k8s" / "rayservice.yaml"
-
-pytestmark = pytest.mark.skipif(not K.crd_path().is_file(),
-                                reason=f"no RayService CRD at {K.crd_path()} (set KUBERAY_CRD)")
-
 
 @pytest.fixture(scope="module")
 def crd():

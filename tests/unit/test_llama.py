@@ -348,15 +348,24 @@ def _prefill_and_step(runner: LlamaRunner, toks: torch.Tensor) -> torch.Tensor:
 
 def test_prepacked_weights_compute_what_plain_ones_do():
     """bf16: oneDNN's prepacked linear is the kernel F.linear runs, minus the per-call reorder, so
-    every logit is bit-identical (what lets prepack 'auto' be on by default). fp32: a different
-    kernel than MKL's, equal to float32 rounding. Int8 (torchao) weights are left alone; a GPU or
-    an already packed runner is not packed again."""
+    every logit is bit-identical (what lets prepack 'auto' take it without measuring). fp32: a
+    different kernel than MKL's, equal to float32 rounding. Int8 (torchao) weights are left alone.
+    Where this CPU cannot run a dtype's prepacked layout (`actors/cpu.py`; with SPECD_DISABLE set,
+    on any CPU), "on" is refused naming what is missing and "auto" leaves the weights plain."""
+    from actors import cpu
     from actors.build import with_prepack
+    from actors.llama import PACKABLE
     from actors.quant import quantize_runner
 
     toks = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     for dtype in (torch.bfloat16, torch.float32):
         model = build_tiny(0, dtype)
+        if not cpu.available(PACKABLE[dtype]):
+            with pytest.raises(ValueError, match=r"prepack: on \(dtype .*\) needs oneDNN's prepacked .* which this "
+                                                 r"CPU cannot run: .* Set prepack: auto or off"):
+                with_prepack(LlamaRunner(model), "on")
+            assert not with_prepack(LlamaRunner(model), "auto").prepacked
+            continue
         plain, packed = LlamaRunner(model), with_prepack(LlamaRunner(model), "on")
         assert packed.prepacked and all(l.wqkv.is_mkldnn and l.w_down.is_mkldnn for l in packed.layers)
         assert packed.lm_head.is_mkldnn and not plain.layers[0].wqkv.is_mkldnn
@@ -367,17 +376,20 @@ def test_prepacked_weights_compute_what_plain_ones_do():
             assert_close(a, b, SAME_KERNELS_ATOL)
         assert with_prepack(LlamaRunner(model), "auto").prepacked == (dtype == torch.bfloat16)
         assert not with_prepack(LlamaRunner(model), "off").prepacked
-    mixed = with_prepack(quantize_runner(LlamaRunner(build_tiny(0, torch.bfloat16)), "mixed"), "on")
-    assert mixed.layers[0].wqkv.is_mkldnn and not mixed.layers[0].w_down.is_mkldnn  # int8 MLP stays torchao
-    _prefill_and_step(mixed, toks)
+    if cpu.available("prepack-bf16"):
+        mixed = with_prepack(quantize_runner(LlamaRunner(build_tiny(0, torch.bfloat16)), "mixed"), "on")
+        assert mixed.layers[0].wqkv.is_mkldnn and not mixed.layers[0].w_down.is_mkldnn  # int8 MLP stays torchao
+        _prefill_and_step(mixed, toks)
     with pytest.raises(ValueError, match="prepack must be one of"):
         with_prepack(LlamaRunner(build_tiny(0)), "yes")
 
 
-def test_engine_prepacks_bf16_by_default_and_keeps_its_output():
-    """build_engine's prepack 'auto': a bf16 target and its model drafts run prepacked, an fp32
-    one does not; the bf16 engine's speculative greedy output is token for token the one it
-    gives with prepack off (and the calibration is keyed apart: a packed pass costs less)."""
+def test_engine_prepack_auto_takes_what_runs_and_keeps_its_output():
+    """build_engine's prepack 'auto': a bf16 target and its model drafts run prepacked wherever
+    this CPU runs that layout (plain where it does not), and the speculative greedy output is
+    token for token the one prepack 'off' gives. An fp32 target is measured both ways where
+    prepacked fp32 runs (its reason names both), and keeps the one that measured faster."""
+    from actors import cpu
     from actors.build import build_engine
     from actors.schema import Request, SamplingParams, SpeculationParams
 
@@ -389,15 +401,26 @@ def test_engine_prepacks_bf16_by_default_and_keeps_its_output():
         return eng, [c.token_ids for c in eng.generate(reqs)]
     on, out_on = outputs("auto")
     off, out_off = outputs("off")
-    assert on.info["prepacked"] and on.drafters["truncated:2"].runner.prepacked and not off.info["prepacked"]
-    assert out_on == out_off
-    assert not outputs("auto", "fp32")[0].info["prepacked"]
+    runs = cpu.available("prepack-bf16")
+    assert on.info["prepacked"] == runs and on.drafters["truncated:2"].runner.prepacked == runs
+    assert not off.info["prepacked"] and out_on == out_off
+    fp32, _ = outputs("auto", "fp32")
+    why = fp32.info["dtype_reason"]
+    if cpu.available("prepack-fp32"):
+        assert "fp32+prepacked " in why and "fp32 " in why, why
+        chosen = why.split(":")[0]
+        assert fp32.info["prepacked"] == (chosen == "fp32+prepacked")
+        assert fp32.drafters["truncated:2"].runner.prepacked == fp32.info["prepacked"]
+    else:
+        assert not fp32.info["prepacked"] and "fp32+prepacked" not in why
 
 
 def test_row_buckets_bound_padding_and_keep_every_row_exact():
     """A CPU oneDNN linear pads its rows to a bucket (and splits past ROW_CHUNK): at most a quarter
     of the rows are padding (an eighth from 256 rows), the set of shapes is small and fixed, and
-    the real rows' results are bit-identical to the unpadded call's, prepacked or not, 2-D or 3-D."""
+    the real rows' results are bit-identical to the unpadded call's, prepacked (where this CPU runs
+    that layout) or not, bf16 or fp32, 2-D or 3-D."""
+    from actors import cpu
     from actors import llama as L
 
     for m in range(1, L.ROW_CHUNK + 1):
@@ -406,41 +429,54 @@ def test_row_buckets_bound_padding_and_keep_every_row_exact():
         assert b - m <= (m / 8 if m >= 256 else m / 4)
     assert len(L.row_buckets()) < 50
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
-    bias = torch.randn(96, generator=g).to(torch.bfloat16)
-    for weight in (w, torch.ops.mkldnn._reorder_linear_weight(w)):
-        for m in (1, 9, 37, 300, L.ROW_CHUNK + 77):
-            x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
-            assert torch.equal(L.linear(x, weight, bias), L._linear(x, weight, bias))
-            assert torch.equal(L.linear(x.view(1, m, 64), weight), L._linear(x, weight).view(1, m, 96))
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(96, 64, generator=g).to(dtype)
+        bias = torch.randn(96, generator=g).to(dtype)
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w),) if cpu.available(L.PACKABLE[dtype]) else ()
+        for weight in (w, *packed):
+            for m in (1, 9, 37, 300, L.ROW_CHUNK + 77):
+                x = torch.randn(m, 64, generator=g).to(dtype)
+                assert torch.equal(L.linear(x, weight, bias), L._linear(x, weight, bias))
+                assert torch.equal(L.linear(x.view(1, m, 64), weight), L._linear(x, weight).view(1, m, 96))
 
 
-def test_engine_meets_no_kernel_shape_it_did_not_warm(monkeypatch):
+@pytest.mark.parametrize("off", ["", "prepack-bf16", "all"])
+def test_engine_meets_no_kernel_shape_it_did_not_warm(monkeypatch, cpu_paths_off, off):
     """oneDNN compiles and caches a kernel per matmul shape (~0.5 MB each): a server meeting
-    new row counts grows (issue 16's soak). A bf16 engine warms every bucketed shape of its
-    target and drafts when built; then serving mixed prompt lengths, batches and γ (prefill,
-    chains, a token tree) meets no shape it did not warm. Unbucketed rows (a 37-token prompt
-    is a 37-row matmul) or a draft left out of the warm-up (the head's fc and its smaller LM
-    head have shapes of their own) fail this."""
+    new row counts grows (issue 16's soak). An engine warms every bucketed shape of its target
+    and drafts when built; then serving mixed prompt lengths, batches and γ (prefill, chains, a
+    token tree) meets no shape it did not warm. Unbucketed rows (a 37-token prompt is a 37-row
+    matmul) or a draft left out of the warm-up (the head's fc and its smaller LM head have shapes
+    of their own) fail this. With the fast paths this CPU has: bf16 through oneDNN; without
+    oneDNN's bf16 (an AVX2 CPU, `off`="prepack-bf16"): prepacked fp32; without either: no
+    matmul is cached per shape, and the warm-up runs nothing."""
+    from actors import cpu
     from actors import llama as L
     from actors.build import build_engine
     from actors.drafters.eagle import EagleDrafter, EagleHead
     from actors.schema import Request, SamplingParams, SpeculationParams
 
+    if off:
+        cpu_paths_off(off)
+    dtype, prepack = ("bf16", "auto") if cpu.onednn_bf16() else \
+        ("fp32", "on") if cpu.available("prepack-fp32") else ("fp32", "off")
     seen: list[set] = [set()]
     plain = L._linear
 
     def recording(x, w, b=None):
-        seen[-1].add((x.reshape(-1, x.shape[-1]).shape[0], tuple(w.shape), w.is_mkldnn, b is None))
+        if L.shape_cached(x, w):
+            seen[-1].add((x.reshape(-1, x.shape[-1]).shape[0], tuple(w.shape), w.is_mkldnn, b is None))
         return plain(x, w, b)
 
     monkeypatch.setattr(L, "_linear", recording)
     monkeypatch.setattr(L, "_WARMED", set())  # record the warm-up even where another test warmed these shapes
-    head = EagleHead(build_tiny(0, torch.bfloat16), torch.arange(256)).to(torch.bfloat16).eval()
-    eng = build_engine("tiny", ["truncated:2", "ngram"], "bf16", max_batch=4, max_len=256, device="cpu",
+    tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    head = EagleHead(build_tiny(0, tdt), torch.arange(256)).to(tdt).eval()
+    eng = build_engine("tiny", ["truncated:2", "ngram"], dtype, max_batch=4, max_len=256, device="cpu",
+                       prepack=prepack,
                        extra_drafters={"eagle": EagleDrafter(head, "eagle", max_batch=4, max_len=256)}).engine
     warmed = seen[-1]
-    assert warmed and all(m in L.row_buckets() for m, *_ in warmed)
+    assert bool(warmed) == (prepack != "off") and all(m in L.row_buckets() for m, *_ in warmed)
     seen.append(set())
     rng = torch.Generator().manual_seed(1)
     reqs = [Request(f"r{i}", torch.randint(3, 500, (n,), generator=rng).tolist(),
@@ -451,4 +487,4 @@ def test_engine_meets_no_kernel_shape_it_did_not_warm(monkeypatch):
                                               (150, "ngram", 4, None), (23, "eagle", 3, None),
                                               (44, "eagle", 4, 6)])]
     assert all(len(c.token_ids) == 12 for c in eng.generate(reqs))
-    assert seen[-1] and seen[-1] <= warmed, sorted(seen[-1] - warmed)
+    assert bool(seen[-1]) == (prepack != "off") and seen[-1] <= warmed, sorted(seen[-1] - warmed)

@@ -16,6 +16,7 @@ in-process engine (tiny model), driven with real proto messages.
 from __future__ import annotations
 
 import asyncio
+import time
 import threading
 
 import grpc
@@ -169,9 +170,14 @@ def test_admission_counts_requests_validated_together(router, tiny, hf_greedy):
     together all passed the check and none was refused.)"""
     prompts = [[20 + i, 21 + i, 22 + i] for i in range(12)]
     plain = router.verifier._stream
+    rejected_before = router.counters["rejected_total"]
 
     async def held(req):  # no generation ends before every caller has had its admission answer
-        while router.admitted + router.counters["rejected_total"] < len(prompts):
+        deadline = time.monotonic() + 30
+        while router.admitted + router.counters["rejected_total"] - rejected_before < len(prompts):
+            assert time.monotonic() < deadline, (
+                f"30 s and only {router.admitted} admitted + "
+                f"{router.counters['rejected_total'] - rejected_before} refused of {len(prompts)} callers")
             await asyncio.sleep(0.001)
         async for d in plain(req):
             yield d
