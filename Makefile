@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo demo-local test bench bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test test-fallbacks bench bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,8 +27,14 @@ demo: $(STAMP)
 demo-local: $(STAMP)
 	$(BIN)/specd demo --local
 
+# then the unit tests again with every optional CPU fast path forced off (actors/cpu.py): the code paths of
+# an AVX2-only CPU (no oneDNN bf16, no prepacked layouts), whatever CPU runs the suite
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-fallbacks
+
+test-fallbacks: $(STAMP)
+	SPECD_DISABLE=all $(BIN)/python -m pytest -q tests/unit
 
 bench: $(STAMP)
 	$(BIN)/specd bench --local --json out/bench.json --plot out/bench.png

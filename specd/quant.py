@@ -85,7 +85,8 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
 
     from actors.build import draft_mode, make_drafter, ready_drafter, with_prepack
     from actors.engine import SpecEngine, common_prefix
-    from actors.llama import LlamaRunner
+    from actors import cpu
+    from actors.llama import PACKABLE, LlamaRunner
     from actors.models import load_model
     from actors.quant import _torchao, check_mode, quantize_runner
 
@@ -100,14 +101,16 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
     prompts = calibration_prompts(target.tokenizer, prompts_path, limit)
     max_len = max(map(len, prompts)) + max_tokens + 64
     ref_runner = LlamaRunner(target.model)  # plain weights: the reference for agreement and NLL
-    # weight formats: plain and prepacked (`LlamaRunner.prepack`), then each int8 mode (prepacked
-    # where it leaves dense weights of a dtype that packs by default: mixed's attention in bf16)
+    # weight formats: plain and prepacked (`LlamaRunner.prepack`, where this CPU runs that layout:
+    # actors/cpu.py), then each int8 mode (prepacked where it leaves dense weights of a dtype that
+    # packs by default: mixed's attention in bf16)
     models = {"fp32": load_model(model, "fp32").model} if dtype != "fp32" else {}  # fp32: AVX2 CPUs may prefer it
     models[dtype] = target.model
     formats = {}
     for name, m in models.items():
         formats[name] = LlamaRunner(m) if name != dtype else ref_runner
-        formats[f"{name}+prepacked"] = with_prepack(LlamaRunner(m), "on")
+        if cpu.available(PACKABLE[m.dtype]):
+            formats[f"{name}+prepacked"] = with_prepack(LlamaRunner(m), "on")
     formats.update({f"{dtype}+{m}": with_prepack(quantize_runner(LlamaRunner(target.model), m)) for m in modes})
 
     # 1. kernels: every format's pass-cost grid, the formats interleaved rep by rep
@@ -138,7 +141,7 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
 
     # 3. the table: one engine per target format, each draft kind in it, prompts round-robin
     engines = {}
-    for tname in [dtype, f"{dtype}+prepacked"] + [f"{dtype}+{m}" for m in modes]:
+    for tname in [t for t in [dtype, f"{dtype}+prepacked"] + [f"{dtype}+{m}" for m in modes] if t in formats]:
         runner = formats[tname]
         drafters = {k: drafter(spec, m) for k, (spec, m) in draft_kinds.items()}
         engines[tname] = SpecEngine(runner, drafters, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,

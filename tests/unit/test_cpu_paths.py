@@ -54,6 +54,7 @@ def test_a_trial_that_raises_is_never_chosen_and_on_is_refused_naming_it(monkeyp
         raise RuntimeError(AVX2_ERROR)
 
     monkeypatch.setitem(cpu._TRIALS, "prepack-bf16", avx2_only)
+    monkeypatch.delenv(cpu.DISABLE_ENV, raising=False)  # the trial's own failure, whatever forced paths off
     cpu.reset()
     try:
         built = build_engine("tiny", ["truncated:2"], "bf16", max_batch=2, max_len=64, device="cpu")
@@ -163,3 +164,16 @@ def test_the_demo_replicas_start_and_keep_their_output_with_the_fast_paths_off(c
     assert len(base) == 24 and all(o == base for o in outs.values()), outs
     assert base == hf_greedy(smollm2.model, ids, 24, eos=None)
     json.dumps(info)  # what GetStats serialises
+
+
+def test_yaml_on_and_off_are_the_prepack_switch():
+    """YAML 1.1 reads a plain `prepack: off` as False: the config takes it as the switch it spelled."""
+    import yaml
+
+    from cluster.config import ClusterConfig
+
+    for text, want in [("prepack: off", "off"), ("prepack: on", "on"), ("prepack: auto", "auto"),
+                       ("prepack: 'off'", "off")]:
+        assert ClusterConfig.model_validate(yaml.safe_load(text)).prepack == want
+    with pytest.raises(ValueError, match="Input should be 'auto', 'on' or 'off'"):
+        ClusterConfig.model_validate({"prepack": "maybe"})
