@@ -91,9 +91,11 @@ def feature_columns(kept: tuple[int, ...], wanted: tuple[int, ...], width: int,
 
 def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter],
            hidden_buf: torch.Tensor | None, asynchronous: bool, trees: list[int] | None = None,
-           columns: dict[str, slice | torch.Tensor | None] | None = None) -> Flight:
+           columns: dict[str, slice | torch.Tensor | None] | None = None,
+           shadow: list[bool] | None = None) -> Flight:
     """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none), as a
-    token tree of at most trees[b] nodes where that is > 0.
+    token tree of at most trees[b] nodes where that is > 0; shadow[b]: row b's drafts will only
+    be compared with what the target commits, never verified (`DraftSeq.shadow`).
     asynchronous: asynchronous drafters only send their calls; otherwise every drafter
     proposes now. columns: per feature drafter, its columns of hidden_buf (`feature_columns`;
     absent: all). The drafters' views become committed + drafts (`draft_keep`)."""
@@ -102,12 +104,13 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     for b, s in enumerate(seqs):
         if gammas[b] > 0:
             groups.setdefault(s.draft, []).append(b)
-    fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0)
+    shadow = list(shadow) if shadow is not None else [False] * len(seqs)
+    fl = Flight(seqs=list(seqs), waiters=[], t_launch=t0, shadow=shadow)
     for name, rows in groups.items():
         drafter = drafters[name]
         cols = (columns or {}).get(name)
-        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0, cols)
-                 for b in rows]
+        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0, cols,
+                            shadow[b]) for b in rows]
         tg = time.perf_counter()
         if asynchronous or not drafter.asynchronous:
             wait = drafter.propose_async(dseqs)
@@ -122,11 +125,11 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
 
 
 def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None,
-               tree: int = 0, cols: slice | torch.Tensor | None = None) -> DraftSeq:
+               tree: int = 0, cols: slice | torch.Tensor | None = None, shadow: bool = False) -> DraftSeq:
     p = s.req.sampling
     ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
-                  tree=tree, threshold=s.req.speculation.threshold or 0.0)
+                  tree=tree, threshold=s.req.speculation.threshold or 0.0, shadow=shadow)
     if wants_hidden:
         ds.hidden_start = s.hid_sent
         kept = hidden_buf[s.slot, :s.hid_len]  # [n, F * E]

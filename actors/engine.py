@@ -341,8 +341,7 @@ class SpecEngine:
         trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
                  else self.policy.tree_for(s.draft) if s.req.auto_gamma and self.policy is not None else 0
                  for b, s in enumerate(seqs)]
-        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees, self.feature_cols)
-        fl.shadow = shadow
+        fl = launch(seqs, gammas, self.drafters, self.hidden_buf, asynchronous, trees, self.feature_cols, shadow)
         if asynchronous:
             for s in seqs:
                 s.flight = fl
@@ -502,7 +501,10 @@ class SpecEngine:
         self.stats.verify_s += t2 - t1
         self.batcher.target_passes += 1
         self.batcher.rows_verified += B
-        self.batcher.verify_s += time.perf_counter() - t1
+        t3 = time.perf_counter()
+        self.batcher.verify_s += t3 - t1
+        if self.policy is not None:  # what the policy's last choice realized: committed tokens per second
+            self.policy.observe_step(sum(len(p) + 1 for p in paths), t3 - t1 + max(draft_s, default=0.0))
 
     def _verify_lossy(self, seqs, rows, logits, draft_t, num_draft, n_acc, out) -> None:
         """Lossy acceptance, only for sampled requests that ask for it (chains): "topk:K" accepts a

@@ -15,13 +15,17 @@ Acceptance is estimated per drafter and draft position, starting from a prior (a
 0.3 per position, or what `specd tune` measured for this drafter on this machine: its profile's
 per-position acceptance and draft cost, whose pass costs then stand in for the load-time
 calibration, see `tune_profile.py`), from verified steps and from *shadow*
-drafts: while a drafter is off, it still proposes now and then without being verified, and its
-proposals are compared with the tokens the target then commits (for a deterministic or coupled
+drafts: while a drafter is off, it still proposes now and then without being verified (as often
+as a budget scaled to what it could gain allows), and its proposals are compared with the tokens
+the target then commits (for a deterministic or coupled
 draft, "the draft equals what the target emitted" is exactly "it would have been accepted").
 A shadow draft costs no target time at all, and for the n-gram drafter no time at all, so the
 policy can stay off where drafts are poor and notice at once when they start to pay. Model
 drafters shadow only as often as a small budget of their drafting time allows. Decisions use a
-lower confidence bound on acceptance, so thin evidence never switches speculation on.
+lower confidence bound on acceptance (trees' too), so thin evidence never switches speculation
+on. And measured throughput overrules the model: where steps that speculated realized less of
+their predicted rate than steps that did not, every speculative choice is discounted by the
+ratio (`discount`).
 
 Greedy output never depends on γ. A seeded sampled request's tokens do not either: seeded rows
 use coupled acceptance (`sampling.verify_coupled`), whose output is a function of the seed and
@@ -47,6 +51,10 @@ PRIOR_ACCEPT, PRIOR_WEIGHT = 0.3, 2.0  # a cautious prior for a position never o
 # dozen steps where the workload differs from the calibration prompts.
 PROFILE_WEIGHT = 16.0
 Z = 1.0  # one standard error below the estimate: thin evidence does not switch speculation on
+# A model drafter that is off shadow-drafts within shadow_budget of the step time when speculating
+# could gain this much (its `upside`) or more, within a tenth of it when it could gain nothing,
+# and in proportion in between: what staying ready costs is scaled to what it can buy.
+UPSIDE_FULL_BUDGET = 0.2
 
 
 @dataclass
@@ -101,7 +109,14 @@ class SpeculationPolicy:
         self.priors: dict[str, DraftPrior] = {}  # drafters without one start from PRIOR_ACCEPT
         self.est: dict[str, DrafterEstimate] = {}
         self.scale = 1.0  # measured / calibrated pass time (EMA): the machine may be busier now
-        self.last_pass_s = cost(1, 1)
+        self.last_pass_s, self.last_rows = cost(1, 1), 1
+        # Measured throughput overrules the model: per step, realized tokens/s over the rate the
+        # model predicted for its choice (EMA), for steps that speculated and steps that did not.
+        # Where speculating realizes less of its prediction than not speculating does, the
+        # predicted gain of every speculative choice is discounted by that ratio (`realized`).
+        self.realized = {True: 1.0, False: 1.0}
+        self.realized_n = {True: 0.0, False: 0.0}
+        self._predicted: tuple[bool, float] | None = None  # the last choice: (speculated, tokens/s)
 
     def set_prior(self, drafter: str, prior: DraftPrior) -> None:
         """Start `drafter` from what a tune profile measured (its estimate so far is dropped)."""
@@ -126,12 +141,14 @@ class SpeculationPolicy:
         return e.tree if e is not None and e.gamma > 0 else 0
 
     def _tree_tokens(self, e: DrafterEstimate, budget: int, depth: int) -> float:
-        """Expected accepted path length of a tree: measured, else (optimistically) a chain of
-        its depth, which the tree contains and widens."""
+        """Expected accepted path length of a tree: measured, else a chain of its depth (which the
+        tree contains and widens) at the chain's lower confidence bound, as chains are judged:
+        thin evidence switches no tree on either (at batch 8 an unmeasured 16-node tree is a pass
+        over 136 tokens)."""
         got = e.tree_len.get(budget)
         if got is not None and got[1] >= 2:
             return got[0] / got[1]
-        return sum(e.accept_curve(lcb=False)[:depth]) * 1.15
+        return sum(e.accept_curve(lcb=True)[:depth]) * 1.15
 
     @staticmethod
     def _tree_draft_s(e: DrafterEstimate, budget: int, depth: int, rows: int) -> float:
@@ -156,12 +173,14 @@ class SpeculationPolicy:
                    for d, cap, auto in rows)
         curves = {d: self.estimate(d).accept_curve(lcb=True) for d in groups}
 
+        discount = self.discount()
+
         def rate(g: dict[str, int]) -> float:
             tokens = base + sum(sum(curves[d][:min(g[d], c)]) for d, caps in groups.items() for c in caps)
             width = max([fixed_w] + [min(g[d], max(caps)) for d, caps in groups.items()])
             secs = self.scale * self.cost(B, 1 + width) + sum(g[d] * (self.estimate(d).step_s or 0.0)
                                                               for d in groups)
-            return tokens / secs
+            return tokens / secs * (discount if any(g.values()) else 1.0)
 
         g = {d: 0 for d in groups}
         best = rate(g)
@@ -186,9 +205,11 @@ class SpeculationPolicy:
                 tokens = other_tokens + n_rows * self._tree_tokens(e, budget, depth)
                 secs = (self.scale * self.cost(B, 1 + max(others + [budget])) + other_draft
                         + self._tree_draft_s(e, budget, depth, n_rows))
-                if tokens / secs > best * 1.02:  # a tree must pay clearly: it costs more to draft
-                    best, chosen_tree[d] = tokens / secs, budget
+                if tokens / secs * discount > best * 1.02:  # a tree must pay clearly: it costs more to draft
+                    best, chosen_tree[d] = tokens / secs * discount, budget
                     g[d] = depth
+        on = any(g.values())
+        self._predicted = (on, best / (discount if on else 1.0)) if groups else None
         for d in groups:
             e = self.estimate(d)
             e.gamma = g[d]
@@ -197,6 +218,23 @@ class SpeculationPolicy:
             e.steps_on += g[d] > 0
         return [min(cap, g[d]) if d is not None and auto and d in g else (cap if d is not None else 0)
                 for d, cap, auto in rows]
+
+    def discount(self) -> float:
+        """What speculating realizes of its predicted rate, relative to not speculating (<= 1;
+        1 until both have a few steps of evidence)."""
+        if min(self.realized_n.values()) < 3:
+            return 1.0
+        return min(1.0, self.realized[True] / self.realized[False])
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """The step `choose` last decided committed `tokens` in `seconds` (drafting and the pass)."""
+        if self._predicted is None or seconds <= 0:
+            return
+        on, predicted = self._predicted
+        self._predicted = None
+        r = min(max(tokens / seconds / predicted, 0.05), 20.0)
+        self.realized[on] = r if not self.realized_n[on] else 0.9 * self.realized[on] + 0.1 * r
+        self.realized_n[on] = 0.9 * self.realized_n[on] + 1
 
     def wants_shadow(self, drafter: str, free: bool) -> bool:
         """Whether the rows of an (auto, switched-off) drafter should shadow-draft this step:
@@ -210,11 +248,22 @@ class SpeculationPolicy:
             return True
         e.since_shadow += 1
         call_s = max(AUTO_MAX_GAMMA * (e.step_s or 0.0), e.shadow_s)
-        period = 1 if not e.step_s else math.ceil(call_s / (self.shadow_budget * self.scale * self.last_pass_s))
+        budget = self.shadow_budget * min(1.0, max(self.upside(e), 0.0) / UPSIDE_FULL_BUDGET + 0.1)
+        period = 1 if not e.step_s else math.ceil(call_s / (budget * self.scale * self.last_pass_s))
         if e.since_shadow >= period:
             e.since_shadow = 0
             return True
         return False
+
+    def upside(self, e: DrafterEstimate) -> float:
+        """The most speculating with this drafter could gain at the last pass's rows: the best γ's
+        predicted rate over γ=0's, at its mean (not lower-bound) acceptance, every row drafting."""
+        B = self.last_rows
+        curve = e.accept_curve(lcb=False)
+        off = B / (self.scale * self.cost(B, 1))
+        best = max(B * (1 + sum(curve[:g])) / (self.scale * self.cost(B, 1 + g) + g * (e.step_s or 0.0))
+                   for g in range(1, AUTO_MAX_GAMMA + 1))
+        return best / off - 1
 
     # ---- learning ------------------------------------------------------------------------------
     def _observe(self, e: DrafterEstimate, drafted: int, accepted: int) -> None:
@@ -282,13 +331,13 @@ class SpeculationPolicy:
 
     def observe_pass(self, rows: int, tokens: int, seconds: float) -> None:
         """A measured verify pass: keeps the calibrated costs in the machine's current units."""
-        self.last_pass_s = seconds
+        self.last_pass_s, self.last_rows = seconds, rows
         ratio = seconds / self.cost(rows, tokens)
         self.scale = 0.95 * self.scale + 0.05 * min(max(ratio, 0.2), 5.0)
 
     # ---- reporting -----------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"pass_scale": self.scale, "profiled_drafters": sorted(self.priors), "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in
+        return {"pass_scale": self.scale, "speculation_discount": self.discount(), "profiled_drafters": sorted(self.priors), "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in
                                                            sorted(self.cost.points.items())},
                 "drafters": {d: {"gamma": e.gamma, "speculated_share": e.steps_on / e.steps if e.steps else 0.0,
                                  "steps": e.steps, "speculated_steps": e.steps_on, "accept_curve": [round(x, 3) for x in e.accept_curve(False)[:4]],

@@ -159,7 +159,7 @@ class DraftServer:
         for j, i in enumerate(rows):
             s = seqs[i]
             k = prop.num_draft[j]
-            if k == 0 or s.tree:
+            if k == 0 or s.tree or s.shadow:  # a shadow block is never verified: no verdict to prepare for
                 continue
             view = list(self.drafter.views[s.seq_id])  # committed + the block just proposed
             block = view[len(view) - k:]

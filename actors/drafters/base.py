@@ -45,6 +45,10 @@ class DraftSeq:
     # Stop proposing once the draft's probability for its next token (for a tree: a node's
     # cumulative path probability) falls below this (0: never).
     threshold: float = 0.0
+    # A shadow call (the speculation policy has this drafter off): the proposal is only compared
+    # with what the target commits, never verified, so a draft replica prepares no next block
+    # for its verdicts (`cluster.draft_server.DraftServer`, overlap).
+    shadow: bool = False
     # Target features for committed tokens, for feature-level drafters (EAGLE-style heads):
     # hidden[i] belongs to token view[hidden_start + i] and holds the layers the drafter names
     # in `feature_layers`, concatenated. Only filled for such drafters.

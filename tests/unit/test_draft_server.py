@@ -199,6 +199,35 @@ def test_expiry_drops_every_trace_of_an_overlapped_sequence(tiny):
     assert rep.expired == 1 and 1 not in rep.alpha and 1 not in rep.blocks and 1 not in rep.last_seen
 
 
+def test_shadow_drafts_prepare_no_next_block(tiny, refs):
+    """While the speculation policy has a remote draft off, its calls are shadows: compared with
+    what the target commits, never verified. Preparing the next block for their verdicts is work
+    for nothing that competes with the target for the machine (the demo on a 2-core CPU: 0.92x
+    with the policy off), so an overlapped replica prepares none; a verified block still is."""
+    from actors.calibrate import PassCost
+
+    rep = overlapped(tiny, 2)
+    ctx = rand_tokens(8, 5)
+    rep.propose_batch([[DraftSeq(seq_id=1, keep=0, new_tokens=ctx, gamma=3, shadow=True)]])
+    rep.settle()
+    assert 1 not in rep.blocks and rep.prepared == 0
+    rep.propose_batch([[DraftSeq(seq_id=2, keep=0, new_tokens=ctx, gamma=3)]])
+    rep.settle()
+    assert 2 in rep.blocks and rep.prepared > 0
+    # through an engine whose policy never speculates (every extra token costs a whole pass)
+    rep = overlapped(tiny, 2)
+    costly = PassCost({(b, t): 0.01 * t for b in (1, 4) for t in (1, 2, 5, 9)})
+    eng = SpecEngine(LlamaRunner(tiny.model), {"remote": RemoteDrafter(handle({"a": rep}), "remote")},
+                     max_batch=4, max_len=MAX_LEN, pass_cost=costly)
+    reqs = [request(f"r{i}", p, "remote", 3, max_tokens=30) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        r.speculation.gamma = "auto"
+    out = run_settled(eng, rep, reqs)
+    assert [out[f"r{i}"] for i in range(4)] == refs
+    assert eng.policy.est["remote"].shadow_drafts > 0 and eng.policy.est["remote"].steps_on == 0
+    assert rep.calls > 0 and rep.prepared == 0 and not rep.blocks
+
+
 @pytest.mark.parametrize("layers", [4, 2])
 def test_overlapped_drafting_is_lossless_and_hits_when_the_verdict_is_likely(tiny, refs, layers):
     """truncated:4 is the whole tiny target: every block is accepted and its bonus is the draft's

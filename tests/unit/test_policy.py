@@ -218,3 +218,44 @@ def test_coupled_drafts_use_the_target_s_noise(tiny):
                      max_batch=2, max_len=160, pass_cost=flat())
     out = run(eng, [request("x", RANDOM, "self", 4, max_tokens=30, temperature=0.9, seed=5)])["x"]
     assert out.stats.draft_tokens > 10 and out.stats.acceptance_rate == 1.0
+
+
+def test_one_observation_switches_no_tree_on():
+    """An unmeasured tree is judged at the chain's lower confidence bound, as chains are: after one
+    fully matched shadow draft, 8 rows on a machine where width costs 15% a token get at most a
+    short chain, not a tree (judged at the mean, a 4-node tree was chosen: passes of 40 tokens)."""
+    cost = PassCost({(b, t): 0.010 * b ** 0.5 * (1 + 0.15 * (t - 1)) for b, t in grid(8)})
+    p = SpeculationPolicy(cost)
+    p.observe_shadow("d", 8, 8)
+    g = p.choose([("d", 8, True)] * 8, {"d"})
+    assert p.tree_for("d") == 0 and g[0] <= 1
+
+
+def test_measured_throughput_overrules_the_model():
+    """Where steps that speculated realize half of their predicted rate and steps that did not
+    realize all of theirs, the model's 'speculate' is discounted by that ratio and speculation goes
+    off; before there is evidence of both kinds, the model alone decides."""
+    p = SpeculationPolicy(flat())
+    trained(p, "d", alpha=0.6)
+    trained(p, "e", alpha=0.0)
+    on, off = [("d", 8, True)], [("e", 8, True)]
+    assert p.choose(on)[0] > 0 and p.choose(off) == [0] and p.discount() == 1.0
+    for _ in range(4):  # evidence of 4 steps of each kind (the discount waits for 3)
+        assert p.choose(on)[0] > 0
+        p.observe_step(5, 10 / p._predicted[1])  # half the predicted tokens per second
+        p.choose(off)
+        p.observe_step(10, 10 / p._predicted[1])  # exactly the prediction
+    assert p.discount() == pytest.approx(0.5)
+    assert p.choose(on) == [0]
+
+
+def test_shadow_budget_follows_what_the_drafter_could_gain():
+    """A drafter that could not gain even at its mean acceptance shadows a tenth as often as one
+    whose upside is large: staying ready costs what it can buy."""
+    def period(cost: PassCost, alpha: float) -> int:
+        p = SpeculationPolicy(cost)
+        trained(p, "d", alpha, steps=100)
+        p.observe_draft_time("d", 8, 8 * 0.0005)  # 4 ms for γ=8 against a 10 ms pass
+        return 4000 // max(sum(p.wants_shadow("d", free=False) for _ in range(4000)), 1)
+    assert period(flat(), 0.97) == 20  # the whole 2% budget
+    assert period(steep(), 0.05) == 200  # a tenth of it
