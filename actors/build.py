@@ -167,9 +167,8 @@ def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
     if runner.device.type != "cpu" or prepack == "off":
         return runner
     if prepack == "on":
-        dt = next((k for k, v in _TORCH_DTYPES.items() if v == runner.dtype), None)
-        if dt is not None:
-            _require_prepack(dt)
+        if runner.dtype in PACKABLE:
+            _require_prepack(runner.dtype)
         runner.prepack()
     elif runner.dtype == torch.bfloat16:
         runner.prepack()  # keeps what this CPU cannot pack as it is
@@ -194,16 +193,17 @@ def _layouts(dtype: str, prepack: str, on_cpu: bool) -> list[str]:
     if not on_cpu or prepack == "off":
         return ["off"]
     if prepack == "on":
-        _require_prepack(dtype)
+        _require_prepack(_TORCH_DTYPES[dtype])
         return ["on"]
     if not cpu.available(path):
         return ["off"]
     return ["on"] if dtype == "bf16" else ["on", "off"]
 
 
-def _require_prepack(dtype: str) -> None:
-    cpu.require(PACKABLE[_TORCH_DTYPES[dtype]], f"prepack: on (dtype {dtype})",
-                "prepack: auto or off" + (", or dtype: fp32" if dtype == "bf16" else ""))
+def _require_prepack(dtype: torch.dtype) -> None:
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    cpu.require(PACKABLE[dtype], f"prepack: on (dtype {name})",
+                "prepack: auto or off" + (", or dtype: fp32" if name == "bf16" else ""))
 
 
 def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
@@ -215,7 +215,8 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     the prepacked layout (`_layouts`). Never a lossy (quantized) target. An explicit setting
     the CPU cannot run (dtype bf16, prepack on) fails here with a message naming what is missing.
     calibrate=False (a quantized target, calibrated as quantized by the caller): no measurement,
-    the first option (bf16 before fp32, prepacked before plain). decode_only: time one-token passes only (a draft replica)."""
+    the first option (bf16 before fp32, prepacked before plain). decode_only: time one-token passes
+    only (a draft replica)."""
     tokens = (1,) if decode_only else TOKENS
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
@@ -231,7 +232,8 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     note = f"; unavailable here: {missing}" if missing else ""
     if not calibrate:
         dt, lay = options[0]
-        return Target(load_model(model, dt, device), None, dt, lay, f"{_label((dt, lay))}: as configured{note}")
+        return Target(load_model(model, dt, device), None, dt, lay,
+                      f"{_label((dt, lay))}: not measured (a quantized target is calibrated as it runs){note}")
     costs, loaded = {}, {}
     for dt, lay in options:
         if dt not in loaded:

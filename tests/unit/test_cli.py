@@ -30,7 +30,10 @@ def test_generate_local_greedy_matches_hf(draft, hf_reference, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == hf_reference
-    assert set(out) >= {"token_ids", "text", "stats"}
+    assert set(out) >= {"token_ids", "text", "stats", "dtype", "prepacked", "dtype_reason", "cpu_paths"}
+    # the choice it reports: fp32, prepacked only where this CPU runs it (and it measured faster)
+    assert out["dtype"] == "fp32" and out["dtype_reason"].startswith("fp32+prepacked" if out["prepacked"] else "fp32")
+    assert out["prepacked"] <= (out["cpu_paths"]["prepack-fp32"] == "ok")
     assert out["text"].strip()
     stats = out["stats"]
     if draft == "none":
