@@ -55,6 +55,7 @@ Z = 1.0  # one standard error below the estimate: thin evidence does not switch 
 # could gain this much (its `upside`) or more, within a tenth of it when it could gain nothing,
 # and in proportion in between: what staying ready costs is scaled to what it can buy.
 UPSIDE_FULL_BUDGET = 0.2
+DISCOUNT_FADE = 0.01  # per step without speculation, the discount's evidence moves this far back to none
 
 
 @dataclass
@@ -235,6 +236,8 @@ class SpeculationPolicy:
         r = min(max(tokens / seconds / predicted, 0.05), 20.0)
         self.realized[on] = r if not self.realized_n[on] else 0.9 * self.realized[on] + 0.1 * r
         self.realized_n[on] = 0.9 * self.realized_n[on] + 1
+        if not on:  # a shortfall seen while speculating fades over ~100 plain steps: then it tries again
+            self.realized[True] += DISCOUNT_FADE * (self.realized[False] - self.realized[True])
 
     def wants_shadow(self, drafter: str, free: bool) -> bool:
         """Whether the rows of an (auto, switched-off) drafter should shadow-draft this step:
@@ -337,8 +340,9 @@ class SpeculationPolicy:
 
     # ---- reporting -----------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"pass_scale": self.scale, "speculation_discount": self.discount(), "profiled_drafters": sorted(self.priors), "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in
-                                                           sorted(self.cost.points.items())},
+        return {"pass_scale": self.scale, "speculation_discount": self.discount(),
+                "profiled_drafters": sorted(self.priors),
+                "pass_cost_ms": {f"{b}x{t}": s * 1e3 for (b, t), s in sorted(self.cost.points.items())},
                 "drafters": {d: {"gamma": e.gamma, "speculated_share": e.steps_on / e.steps if e.steps else 0.0,
                                  "steps": e.steps, "speculated_steps": e.steps_on, "accept_curve": [round(x, 3) for x in e.accept_curve(False)[:4]],
                                  "draft_step_ms": None if e.step_s is None else e.step_s * 1e3,

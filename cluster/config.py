@@ -45,7 +45,7 @@ def _yaml_switch(v):
     return ("on" if v else "off") if isinstance(v, bool) else v
 
 
-Switch = Annotated[PrepackChoice, BeforeValidator(_yaml_switch)]  # `prepack: off` in YAML arrives as False
+PrepackSwitch = Annotated[PrepackChoice, BeforeValidator(_yaml_switch)]  # `prepack: off` in YAML arrives as False
 
 
 class _Strict(BaseModel):
@@ -209,7 +209,7 @@ class ClusterConfig(_Strict):
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto' measures "
                                                    "both on the hardware at load and keeps the faster at the "
                                                    "verifier's max_batch (never a quantized target)")
-    prepack: Switch = Field("auto", description="CPU: hold weights in oneDNN's prepacked layout "
+    prepack: PrepackSwitch = Field("auto", description="CPU: hold weights in oneDNN's prepacked layout "
                             "(actors.build.load_target); 'auto': where this CPU runs it (actors/cpu.py) and "
                             "the load-time measurement finds it faster; 'on' fails at load where it cannot run")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
