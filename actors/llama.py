@@ -1,7 +1,8 @@
 """Fast llama-family forward for decoding, over a slotted static KV cache.
 
 Owns: the decoder math (RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU) over weights taken from a Hugging Face llama-family model, and the KV
+SwiGLU; Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm) over weights taken from a
+Hugging Face llama-family model (`SUPPORTED_MODEL_TYPES`), and the KV
 cache whose rollback is O(1): every slot has a length, and truncating a
 sequence to its accepted prefix only lowers that length.
 
@@ -35,6 +36,8 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [E]
     w_gate_up: torch.Tensor  # [2 * I, E]
     w_down: torch.Tensor  # [E, I]
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's RMSNorm of each query head before RoPE
+    k_norm: torch.Tensor | None = None  # [D]: and of each key head
 
 
 @dataclass
@@ -134,9 +137,11 @@ class LlamaRunner:
             raise ValueError(
                 f"model_type {model_type!r} is not supported by the fast runner "
                 f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})")
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and model_type != "llama":
-            raise ValueError("sliding-window attention is not supported by the fast runner")
+        window = _sliding_window(cfg)
+        max_pos = int(getattr(cfg, "max_position_embeddings", 8192))
+        if window is not None and window < max_pos:
+            raise ValueError(f"sliding-window attention (window {window} < max_position_embeddings {max_pos}) is not "
+                             f"supported by the fast runner yet")
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
@@ -178,6 +183,7 @@ class LlamaRunner:
     def _fuse(self, layer) -> LayerWeights:
         at, mlp = layer.self_attn, layer.mlp
         has_bias = at.q_proj.bias is not None
+        qk_norm = getattr(at, "q_norm", None) is not None
         return LayerWeights(
             attn_norm=layer.input_layernorm.weight.detach(),
             wqkv=_fused(at, "weight", [at.q_proj, at.k_proj, at.v_proj]),
@@ -186,6 +192,8 @@ class LlamaRunner:
             mlp_norm=layer.post_attention_layernorm.weight.detach(),
             w_gate_up=_fused(mlp, "weight", [mlp.gate_proj, mlp.up_proj]),
             w_down=mlp.down_proj.weight.detach(),
+            q_norm=at.q_norm.weight.detach() if qk_norm else None,
+            k_norm=at.k_norm.weight.detach() if qk_norm else None,
         )
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -258,7 +266,7 @@ class LlamaRunner:
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
         taps = {}
         for li, w in enumerate(self.layers):
-            q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin)  # [B, T, *, D]
+            q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm)  # [B, T, *, D]
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
             kc[slot_idx, positions] = k.to(kc.dtype)
             vc[slot_idx, positions] = v.to(vc.dtype)
@@ -281,13 +289,16 @@ class LlamaRunner:
             raise ValueError(f"features {missing}: this runner has layers 0..{self.num_layers - 1} (-1: final)")
         return out, torch.cat([taps[i] for i in features], -1)
 
-    def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin):
-        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated."""
+    def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin, q_norm=None, k_norm=None):
+        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated (after Qwen3's per-head
+        q/k RMSNorm, where the layer has one)."""
         B, T = x.shape[:2]
         h = _rms_norm(x, attn_norm, self.eps)
         qkv = linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
         q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
             [self.n_heads, self.n_kv, self.n_kv], dim=2)
+        if q_norm is not None:
+            q, k = _rms_norm(q, q_norm, self.eps), _rms_norm(k, k_norm, self.eps)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down):
@@ -351,7 +362,20 @@ class LlamaRunner:
         return warm_linears(layers) + warm_linears([(self.lm_head, None)], max_rows=256)
 
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def _sliding_window(cfg) -> int | None:
+    """The attention window some layer of this config uses (None: every layer attends to all):
+    Mistral's `sliding_window`; Qwen2/3's where `layer_types` (or `use_sliding_window`) has
+    sliding layers; never Llama's."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or cfg.model_type == "llama":
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(cfg, "use_sliding_window", True) else None
 
 
 def context_features(runner: LlamaRunner, context: list[int], features: tuple[int, ...]) -> torch.Tensor:
