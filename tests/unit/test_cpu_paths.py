@@ -16,7 +16,6 @@ import torch
 
 from actors import cpu
 from actors.build import build_engine, load_target
-from actors.models import load_model
 from actors.schema import Completion, Request, SamplingParams, SpeculationParams
 from helpers import chat_ids
 
