@@ -123,11 +123,14 @@ class Request:
 
 @dataclass(frozen=True)
 class Limits:
-    """What a server accepts. `drafts` maps each servable draft name to its default γ (or "auto")."""
+    """What a server accepts. `drafts` maps each servable draft name to its default γ (or "auto");
+    `aliases` maps a draft spec the server serves under another name (e.g. "default" served as
+    "eagle") to that name, so a request may name a draft either way."""
     context: int  # prompt + max_tokens must fit
     max_tokens: int
     vocab_size: int | None = None  # prompt ids must lie in [0, vocab_size)
     drafts: Mapping[str, int | str] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
     default_draft: str = NO_DRAFT
     default_max_tokens: int = 128
     default_threshold: float = 0.0  # τ when a request leaves it unset (0: never stop early)
@@ -139,6 +142,9 @@ class Limits:
                 raise ValueError(f"draft name {r!r} is reserved")
         if self.default_draft not in RESERVED_DRAFTS and self.default_draft not in self.drafts:
             raise ValueError(f"default draft {self.default_draft!r} is not one of {[NO_DRAFT, *self.drafts]}")
+        for spec, name in self.aliases.items():
+            if spec in self.drafts or spec in RESERVED_DRAFTS or name not in self.drafts:
+                raise ValueError(f"draft alias {spec!r} -> {name!r}: an alias names a served draft and is not a name")
         if not 1 <= self.max_tokens < self.context:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be in [1, context ({self.context}))")
 
@@ -198,8 +204,10 @@ def validate(req: Request, limits: Limits) -> Request:
         raise ValueError(f"sampling.early_stopping must be true or false, got {s.early_stopping!r}")
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft
+    draft = limits.aliases.get(draft, draft)  # a spec the server serves under a name of its own
     if draft not in RESERVED_DRAFTS and draft not in limits.drafts:
-        raise ValueError(f"speculation.draft {draft!r} is unknown; available: {[*RESERVED_DRAFTS, *limits.drafts]}")
+        raise ValueError(f"speculation.draft {draft!r} is unknown; available: {[*RESERVED_DRAFTS, *limits.drafts]}"
+                         + (f" (or the specs they serve: {sorted(limits.aliases)})" if limits.aliases else ""))
     if draft == AUTO_DRAFT and not limits.drafts:
         raise ValueError("speculation.draft 'auto' needs at least one draft; this server has none")
     if sp.gamma is None:

@@ -242,8 +242,13 @@ class ClusterConfig(_Strict):
 
     def limits(self) -> Limits:
         """What the router admits (the request schema's limits)."""
+        names = {d.name for d in self.drafts}
+        specs = [d.spec for d in self.drafts]
         return Limits(context=self.max_len, max_tokens=self.router.max_tokens,
                       drafts={d.name: d.default_gamma for d in self.drafts},
+                      # a request may also name a draft by the spec it serves, where one draft serves it
+                      aliases={d.spec: d.name for d in self.drafts if d.spec not in names
+                               and d.spec not in RESERVED_DRAFTS and specs.count(d.spec) == 1},
                       default_draft=self.router.default_draft, default_max_tokens=self.router.default_max_tokens,
                       default_threshold=self.router.default_threshold, max_beams=self.verifier.max_batch)
 

@@ -332,3 +332,21 @@ def test_bearer_tokens(tiny, tmp_path, monkeypatch):
     monkeypatch.delenv("SPECD_TEST_TOKENS")
     with pytest.raises(ValueError, match="SPECD_TEST_TOKENS"):  # a named source that is missing
         Router({**CONFIG, "auth": {"tokens_env": "SPECD_TEST_TOKENS"}}, FakeVerifier(eng))
+
+
+def test_a_request_may_name_a_draft_by_the_spec_it_serves():
+    """The README's `openai` example sends draft "default"; the shipped config serves that spec as
+    "eagle" (and "truncated:4" under its own name). Either name reaches the same draft; an unknown
+    one is still refused, listing the names and the specs they serve."""
+    from dataclasses import replace
+
+    from actors.schema import SpeculationParams, validate
+    from cluster.config import LOCAL_CONFIG
+
+    limits = ClusterConfig.load(LOCAL_CONFIG).limits()
+    assert limits.aliases == {"default": "eagle"}
+    req = Request("r", [5, 6, 7], speculation=SpeculationParams(draft="default", gamma="auto"))
+    for draft in ("default", "eagle"):
+        assert validate(replace(req, speculation=SpeculationParams(draft=draft)), limits).speculation.draft == "eagle"
+    with pytest.raises(ValueError, match=r"unknown; available: .* \(or the specs they serve: \['default'\]\)"):
+        validate(replace(req, speculation=SpeculationParams(draft="nope")), limits)
