@@ -6,11 +6,13 @@ Draft specs (one name space for the CLI, the bench and, later, the cluster confi
   "truncated:K"    the target's first K layers + its final norm and LM head (shared weights)
   PATH             a separate draft model: any local Hugging Face llama-family directory, or a
                    checkpoint written by `specd distill` (EAGLE head, trained truncated or small model)
-  "default"        the distilled draft shipped for the target (see DEFAULT_DRAFTS)
+  "default"        the distilled draft shipped for the target (see DEFAULT_DRAFTS); n-gram, with a
+                   logged line, for a target no draft ships for
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from .tune_profile import matching
 DEFAULT_DRAFT_ROOT = Path(__file__).parent / "default_drafts"
 DEFAULT_DRAFTS = {"SmolLM2-135M-Instruct": "smollm2-eagle3"}  # smollm2-eagle: the single-layer head before it
 DRAFT_META = "specd_draft.json"
+log = logging.getLogger("specd")
 
 
 def resolve_draft(spec: str, target_name: str = "SmolLM2-135M-Instruct") -> str:
@@ -135,6 +138,10 @@ def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
             raise ValueError(f"draft {spec!r}: truncated:K needs an integer K") from None
         d = ModelDrafter.truncated(target.model, k, max_batch=max_batch, max_len=max_len)
         return d
+    if spec == "default" and target.name not in DEFAULT_DRAFTS:  # e.g. the shipped config with another model
+        log.warning("specd: no default draft ships for target %r: draft 'default' drafts n-grams instead "
+                    "(train a head with `specd distill`)", target.name)
+        return NgramDrafter()
     path = resolve_draft(spec, target.name)
     if (Path(path) / DRAFT_META).exists():
         return load_distilled(path, target, max_batch, max_len)

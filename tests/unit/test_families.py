@@ -75,3 +75,18 @@ def test_other_families_and_binding_windows_are_refused_naming_what_is_served():
     with pytest.raises(ValueError, match=r"sliding-window attention \(window 16 < max_position_embeddings 256\)"):
         LlamaRunner(family("mistral", sliding_window=16))
     assert {"llama", "mistral", "qwen2", "qwen3"} <= SUPPORTED_MODEL_TYPES
+
+
+def test_default_draft_on_a_target_no_head_ships_for_drafts_ngrams(caplog, hf_greedy):
+    """The shipped config names draft 'default' (the head shipped for SmolLM2). With another model
+    it must still start: 'default' drafts n-grams there, says so once in the log, and the output
+    stays the target's."""
+    from actors.build import build_engine
+
+    with caplog.at_level("WARNING", logger="specd"):
+        built = build_engine("tiny", {"eagle": "default"}, "fp32", max_batch=2, max_len=128, device="cpu")
+    assert isinstance(built.drafters["eagle"], NgramDrafter)
+    assert any("no default draft ships for target 'tiny'" in r.getMessage() for r in caplog.records)
+    prompt = rand_tokens(5, 4, 512) * 3
+    out = run(built.engine, [request("r", prompt, "eagle", 3, max_tokens=16, ignore_eos=True)])
+    assert out["r"].token_ids == hf_greedy(built.target.model, prompt, 16, eos=None)
