@@ -161,6 +161,7 @@ class Built:
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
@@ -174,8 +175,8 @@ def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
     if runner.device.type != "cpu" or prepack == "off":
         return runner
     if prepack == "on":
-        if runner.dtype in PACKABLE:
-            _require_prepack(runner.dtype)
+        if runner.dtype in _DTYPE_NAMES:
+            _require_prepack(_DTYPE_NAMES[runner.dtype])
         runner.prepack()
     elif runner.dtype == torch.bfloat16:
         runner.prepack()  # keeps what this CPU cannot pack as it is
@@ -200,17 +201,16 @@ def _layouts(dtype: str, prepack: str, on_cpu: bool) -> list[str]:
     if not on_cpu or prepack == "off":
         return ["off"]
     if prepack == "on":
-        _require_prepack(_TORCH_DTYPES[dtype])
+        _require_prepack(dtype)
         return ["on"]
     if not cpu.available(path):
         return ["off"]
     return ["on"] if dtype == "bf16" else ["on", "off"]
 
 
-def _require_prepack(dtype: torch.dtype) -> None:
-    name = "bf16" if dtype == torch.bfloat16 else "fp32"
-    cpu.require(PACKABLE[dtype], f"prepack: on (dtype {name})",
-                "prepack: auto or off" + (", or dtype: fp32" if name == "bf16" else ""))
+def _require_prepack(dtype: str) -> None:
+    cpu.require(PACKABLE[_TORCH_DTYPES[dtype]], f"prepack: on (dtype {dtype})",
+                "prepack: auto or off" + (", or dtype: fp32" if dtype == "bf16" else ""))
 
 
 def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
