@@ -29,7 +29,7 @@ from . import cpu
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor  # [E]
+    attn_norm: torch.Tensor | None  # [E]; None: no input norm (an EAGLE-1 head's layer)
     wqkv: torch.Tensor  # [(H + 2*Hkv) * D, E]
     bqkv: torch.Tensor | None  # [(H + 2*Hkv) * D]
     wo: torch.Tensor  # [E, H * D]
@@ -38,6 +38,9 @@ class LayerWeights:
     w_down: torch.Tensor  # [E, I]
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's RMSNorm of each query head before RoPE
     k_norm: torch.Tensor | None = None  # [D]: and of each key head
+    # [E]: an EAGLE-3 head's layer, fed x = [token embedding | feature] ([B, T, 2E]): attention reads
+    # [attn_norm(embedding) | hidden_norm(feature)] (wqkv is [.., 2E]); the residual stream is the feature
+    hidden_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -163,7 +166,7 @@ class LlamaRunner:
         p = next(hf_model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.embed = base.embed_tokens.weight.detach()  # [V, E]
-        self.norm = base.norm.weight.detach()  # [E]
+        self.norm = base.norm.weight.detach()  # [E]; None: forward returns the pre-norm residual stream
         self.lm_head = hf_model.lm_head.weight.detach()  # [V, E] (may be tied to embed)
         self.layers = [self._fuse(base.layers[i]) for i in range(self.num_layers)]
 
@@ -218,7 +221,8 @@ class LlamaRunner:
         afterwards lengths[slot] grows by num_new[b].
         Returns the post-norm hidden states [B, T, E]; padded positions hold garbage.
         embeds [B, T, E], when given, replaces the token embedding lookup (a feature-level
-        draft head feeds its own input vectors); `tokens` may then be None.
+        draft head feeds its own input vectors; [B, T, 2E] for a head whose layer has a hidden_norm,
+        see `LayerWeights`); `tokens` may then be None.
         tree, when given, makes the T new tokens of a row a token tree rather than a chain:
         token t sits at RoPE position lengths + depth[t] and attends to the cached context and
         to the new tokens its ancestor mask allows (its KV still goes to slot position
@@ -266,7 +270,10 @@ class LlamaRunner:
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
         taps = {}
         for li, w in enumerate(self.layers):
-            q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm)  # [B, T, *, D]
+            q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm,
+                                     w.hidden_norm)  # [B, T, *, D]
+            if w.hidden_norm is not None:
+                x = x[..., x.shape[-1] // 2:]
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
             kc[slot_idx, positions] = k.to(kc.dtype)
             vc[slot_idx, positions] = v.to(vc.dtype)
@@ -280,7 +287,7 @@ class LlamaRunner:
                 taps[li] = x
         for s, n in zip(slots, num_new):
             cache.lengths[s] += n
-        out = _rms_norm(x, self.norm, self.eps)
+        out = x if self.norm is None else _rms_norm(x, self.norm, self.eps)
         if not features:
             return out
         taps[-1] = out
@@ -289,11 +296,16 @@ class LlamaRunner:
             raise ValueError(f"features {missing}: this runner has layers 0..{self.num_layers - 1} (-1: final)")
         return out, torch.cat([taps[i] for i in features], -1)
 
-    def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin, q_norm=None, k_norm=None):
+    def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin, q_norm=None, k_norm=None, hidden_norm=None):
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated (after Qwen3's per-head
-        q/k RMSNorm, where the layer has one)."""
+        q/k RMSNorm, where the layer has one). See `LayerWeights` for the layers without attn_norm
+        or with hidden_norm (then x is [B, T, 2E])."""
         B, T = x.shape[:2]
-        h = _rms_norm(x, attn_norm, self.eps)
+        if hidden_norm is not None:
+            e, f = x.chunk(2, dim=-1)
+            h = torch.cat([_rms_norm(e, attn_norm, self.eps), _rms_norm(f, hidden_norm, self.eps)], -1)
+        else:
+            h = x if attn_norm is None else _rms_norm(x, attn_norm, self.eps)
         qkv = linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
         q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
             [self.n_heads, self.n_kv, self.n_kv], dim=2)
