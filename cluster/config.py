@@ -199,10 +199,63 @@ class AuthConfig(_Strict):
         return toks
 
 
+class VllmSpeculativeConfig(_Strict):
+    """vLLM's `speculative_config` (`vllm serve --speculative-config JSON`), accepted as it is and
+    mapped onto one draft of this product (`draft`):
+
+      method       draft spec                            γ (default_gamma)
+      ngram        ngram:MIN-MAX (prompt_lookup_min,     num_speculative_tokens, else auto
+                   _max; unset: 1 and 3)
+      eagle        the head at `model` (EAGLE-1/2)       the same
+      eagle3       the head at `model` (EAGLE-3)         the same
+      draft_model  the draft model at `model`            the same
+
+    The draft is named after the method and runs colocated; it becomes router.default_draft
+    unless the config names another. Other vLLM keys are refused by name."""
+    method: Literal["ngram", "eagle", "eagle3", "draft_model"]
+    model: str | None = Field(None, description="the draft's directory or hub id (every method but ngram)")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_GAMMA)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _fields(self):
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config: method 'ngram' takes no model")
+            if self.min_n > self.max_n:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({self.min_n}) exceeds "
+                                 f"prompt_lookup_max ({self.max_n})")
+        else:
+            if self.model is None:
+                raise ValueError(f"speculative_config: method {self.method!r} needs a model (its path or hub id)")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("speculative_config: prompt_lookup_min/max apply to method 'ngram' only")
+        return self
+
+    @property
+    def min_n(self) -> int:
+        return self.prompt_lookup_min or 1
+
+    @property
+    def max_n(self) -> int:
+        return self.prompt_lookup_max or max(3, self.min_n)
+
+    def draft(self) -> dict:
+        """The draft this maps to, as a `drafts:` entry."""
+        spec = f"ngram:{self.min_n}-{self.max_n}" if self.method == "ngram" else self.model
+        gamma = "auto" if self.num_speculative_tokens is None else self.num_speculative_tokens
+        return {"name": self.method, "spec": spec, "placement": "colocated", "default_gamma": gamma}
+
+
 class ClusterConfig(_Strict):
     app_name: str = "specd"
     route_prefix: str = "/specd"
-    model: str = Field("smollm2", description="target: 'smollm2', 'tiny[:SEED]' or a HF model directory")
+    model: str = Field("smollm2", description="target: 'smollm2', 'tiny[:SEED]', a Hugging Face model directory or "
+                       "a hub id 'org/name[@revision]' (from the local hub cache; HF_HUB_OFFLINE, HF_TOKEN honoured)")
+    served_model_name: str | None = Field(None, description="the model's name to clients: /v1/models, ListModels "
+                                          "and the metrics' model_name label (default: the hub id or the "
+                                          "directory's name)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where models run: 'auto' (a GPU when the replica sees one), 'cpu', 'cuda', "
                                     "'cuda:N'")
@@ -223,6 +276,21 @@ class ClusterConfig(_Strict):
         resources=Resources(custom={"large_accel": 1})))
     drafts: list[DraftConfig] = Field(default_factory=lambda: [DraftConfig(name="ngram", spec="ngram")])
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm(cls, data):
+        """`speculative_config:` (vLLM's) becomes a draft (`VllmSpeculativeConfig`), and the default
+        draft unless router.default_draft names one; a config that also lists `drafts` keeps them."""
+        if not isinstance(data, dict) or data.get("speculative_config") is None:
+            return data
+        data = dict(data)
+        draft = VllmSpeculativeConfig.model_validate(data.pop("speculative_config")).draft()
+        data["drafts"] = [*data.get("drafts", []), draft]
+        router = dict(data.get("router") or {})
+        router.setdefault("default_draft", draft["name"])
+        data["router"] = router
+        return data
+
     @model_validator(mode="after")
     def _check(self):
         names = [d.name for d in self.drafts]
@@ -239,6 +307,12 @@ class ClusterConfig(_Strict):
         if self.router.max_tokens >= self.max_len:
             raise ValueError(f"router.max_tokens ({self.router.max_tokens}) must be below max_len ({self.max_len})")
         return self
+
+    @property
+    def served_name(self) -> str:
+        from actors.models import default_served_name
+
+        return self.served_model_name or default_served_name(self.model)
 
     def limits(self) -> Limits:
         """What the router admits (the request schema's limits)."""

@@ -197,7 +197,7 @@ def _final_fields(last: Delta) -> dict:
 def build_http_app(router) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over `router` (a `cluster.router.Router`)."""
     app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
-    model = router.cfg.model
+    model = router.cfg.served_name
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):

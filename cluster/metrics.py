@@ -6,7 +6,8 @@ and a counter gains `_total`, so what a scrape of a node's metrics port (the one
 scrapes) shows is, e.g., `ray_specd_spec_decode_num_drafts_total`; a histogram shows
 `_bucket`, `_sum` and `_count`. Every metric is built with `ray.serve.metrics` (Ray's
 `ray.util.metrics` plus the labels `deployment`, `replica` and `application` of the Serve
-replica recording it) and carries a `draft` label: the draft a request named (resolved:
+replica recording it) and carries a `model_name` label (the config's `served_model_name`, as
+`/v1/models` shows it, vLLM's label) and a `draft` label: the draft a request named (resolved:
 "none" = no speculation, "auto" = the engine's pick per request), or the draft whose KV or γ it
 is. Built inside a replica's constructor, where Serve's replica context exists.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -56,42 +58,49 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0]
 
 
-def _counter(name: str, doc: str, *labels: str) -> Counter:
-    return Counter(PREFIX + name, doc, tag_keys=("draft", *labels))
+def _tagged(metric, model_name: str):
+    metric.set_default_tags({"model_name": model_name})
+    return metric
 
 
-def _gauge(name: str, doc: str, *labels: str) -> Gauge:
-    return Gauge(PREFIX + name, doc, tag_keys=("draft", *labels))
+def _counter(model_name: str, name: str, doc: str, *labels: str) -> Counter:
+    return _tagged(Counter(PREFIX + name, doc, tag_keys=("model_name", "draft", *labels)), model_name)
 
 
-def _histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-    return Histogram(PREFIX + name, doc, boundaries=buckets, tag_keys=("draft",))
+def _gauge(model_name: str, name: str, doc: str, *labels: str) -> Gauge:
+    return _tagged(Gauge(PREFIX + name, doc, tag_keys=("model_name", "draft", *labels)), model_name)
 
 
-def _draft_kv_gauge() -> Gauge:
-    return _gauge("draft_kv_cache_usage_perc", "Draft KV in use: the draft's sequences over its slots (0..1)")
+def _histogram(model_name: str, name: str, doc: str, buckets: list[float]) -> Histogram:
+    return _tagged(Histogram(PREFIX + name, doc, boundaries=buckets, tag_keys=("model_name", "draft")), model_name)
+
+
+def _draft_kv_gauge(model_name: str) -> Gauge:
+    return _gauge(model_name, "draft_kv_cache_usage_perc",
+                  "Draft KV in use: the draft's sequences over its slots (0..1)")
 
 
 class VerifierMetrics:
     """A verifier replica's metrics: counters per finished request, gauges after each batcher step."""
 
-    def __init__(self, dtype: str):
-        self.num_drafts = _counter("spec_decode_num_drafts", "Verify steps that had at least one draft token")
-        self.num_draft_tokens = _counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
-        self.num_accepted_tokens = _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.accepted_per_pos = _counter("spec_decode_num_accepted_tokens_per_pos",
+    def __init__(self, model_name: str, dtype: str):
+        counter, gauge = partial(_counter, model_name), partial(_gauge, model_name)
+        self.num_drafts = counter("spec_decode_num_drafts", "Verify steps that had at least one draft token")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted at each draft position", "position")
-        self.drafted_per_pos = _counter("spec_decode_num_draft_tokens_per_pos",
+        self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
                                         "Verify steps that drafted a token at each draft position", "position")
-        self.prompt_tokens = _counter("prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = _counter("generation_tokens", "Tokens generated for finished requests")
-        self.running = _gauge("num_requests_running", "Requests holding KV slots on this replica")
-        self.waiting = _gauge("num_requests_waiting", "Requests queued for KV slots on this replica")
-        self.kv = _gauge("kv_cache_usage_perc", "Target KV slots in use over the replica's slots (0..1), by the "
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests")
+        self.running = gauge("num_requests_running", "Requests holding KV slots on this replica")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for KV slots on this replica")
+        self.kv = gauge("kv_cache_usage_perc", "Target KV slots in use over the replica's slots (0..1), by the "
                                                 "draft of the requests holding them")
-        self.draft_kv = _draft_kv_gauge()
-        self.gamma = _gauge("spec_decode_gamma", "The speculation policy's current gamma per draft (0 = off)")
-        self.dtype = _gauge("model_dtype_info", "1, labelled with the target's dtype (draft label 'none')", "dtype")
+        self.draft_kv = _draft_kv_gauge(model_name)
+        self.gamma = gauge("spec_decode_gamma", "The speculation policy's current gamma per draft (0 = off)")
+        self.dtype = gauge("model_dtype_info", "1, labelled with the target's dtype (draft label 'none')", "dtype")
         self.dtype_tags = {"draft": NO_DRAFT, "dtype": dtype}
         self._last: tuple | None = None
         self._sent = 0.0  # when the gauges were last sent
@@ -140,9 +149,9 @@ class DraftMetrics:
     """A remote draft replica's metrics: its KV in use, read by `kv()` -> (sequences, slots) and
     sent every GAUGE_REFRESH_S from a daemon thread."""
 
-    def __init__(self, draft: str, kv: Callable[[], tuple[int, int]]):
+    def __init__(self, model_name: str, draft: str, kv: Callable[[], tuple[int, int]]):
         self.tags = {"draft": draft}
-        self.draft_kv = _draft_kv_gauge()
+        self.draft_kv = _draft_kv_gauge(model_name)
         self.read_kv = kv
         threading.Thread(target=self._refresh, name="specd-draft-metrics", daemon=True).start()
 
@@ -159,13 +168,14 @@ class DraftMetrics:
 class RouterMetrics:
     """A router replica's metrics: latencies as each caller sees them, admission and coalescing."""
 
-    def __init__(self):
-        self.ttft = _histogram("time_to_first_token_seconds", "Request arrival to its first token", TTFT_BUCKETS)
-        self.itl = _histogram("inter_token_latency_seconds", "Between consecutive stream messages carrying tokens "
+    def __init__(self, model_name: str):
+        counter, histogram = partial(_counter, model_name), partial(_histogram, model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Request arrival to its first token", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Between consecutive stream messages carrying tokens "
                                                              "(a verify step may commit several)", ITL_BUCKETS)
-        self.e2e = _histogram("e2e_request_latency_seconds", "Request arrival to its last message", E2E_BUCKETS)
-        self.rejected = _counter("admission_rejections", "Requests refused at admission (router.max_queue)")
-        self.coalesced = _counter("coalesced_requests", "Requests served by an identical in-flight generation")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request arrival to its last message", E2E_BUCKETS)
+        self.rejected = counter("admission_rejections", "Requests refused at admission (router.max_queue)")
+        self.coalesced = counter("coalesced_requests", "Requests served by an identical in-flight generation")
 
     def timer(self, draft: str) -> "RequestTimer":
         return RequestTimer(self, {"draft": draft})

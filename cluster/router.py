@@ -92,22 +92,14 @@ class Router:
     FAILOVER_BACKOFF_S = 0.5  # times the attempt, before resuming
 
     def __init__(self, config: dict, verifier, drafts: dict | None = None):
-        from transformers import AutoTokenizer
-
-        from actors.models import EMBEDDED, embedded_dir, ensure_embedded, model_vocab_size
+        from actors.models import load_tokenizer, model_vocab_size
 
         self.cfg = ClusterConfig.model_validate(config)
         self._tokens = [t.encode() for t in self.cfg.auth.tokens()]  # never logged
         self.limits = replace(self.cfg.limits(), vocab_size=model_vocab_size(self.cfg.model))
         self.verifier = verifier
         self.draft_handles = drafts or {}
-        if self.cfg.model == EMBEDDED:
-            ensure_embedded(verbose=False)
-            self.tokenizer = AutoTokenizer.from_pretrained(embedded_dir())
-        elif self.cfg.model.startswith("tiny"):
-            self.tokenizer = None  # token-id prompts only ("prompt" holds space-separated ids)
-        else:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        self.tokenizer = load_tokenizer(self.cfg.model)  # None: token-id prompts only (space-separated ids)
         self.inflight: dict[str, _Generation] = {}
         self.subscriptions: dict[str, list[_Subscription]] = {}  # caller's request id -> its streams here
         self._replicas_cache: tuple[float, dict[str, list[str]]] = (0.0, {})
@@ -116,7 +108,7 @@ class Router:
                          "failovers_total": 0}
         self.spec_totals = SpecStats()
         self.started = time.time()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.cfg.served_name)
 
     def __serve_build_asgi_app__(self):
         """The OpenAI-compatible HTTP API over this router (Serve calls it once the replica is built)."""
@@ -490,7 +482,7 @@ class Router:
         if self._refuses(grpc_context):
             return specd_pb2.ListModelsResponse()
         cfg = self.cfg
-        r = specd_pb2.ListModelsResponse(target=cfg.model, max_gamma=MAX_GAMMA, max_tokens=cfg.router.max_tokens,
+        r = specd_pb2.ListModelsResponse(target=cfg.served_name, max_gamma=MAX_GAMMA, max_tokens=cfg.router.max_tokens,
                                          context_length=cfg.max_len, max_beams=min(MAX_BEAMS, self.limits.max_beams))
         r.drafts.add(name=NO_DRAFT, kind=NO_DRAFT, default=cfg.router.default_draft == NO_DRAFT)
         for d in cfg.drafts:

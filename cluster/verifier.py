@@ -75,7 +75,7 @@ class VerifierServer:
         # recent acceptance is the rate between the oldest and the newest
         self.recent: deque[tuple[int, int]] = deque([(0, 0)], maxlen=self.RECENT + 1)
         self.draft_labels = [NO_DRAFT, AUTO_DRAFT, *(d.name for d in cfg.drafts)]
-        self.metrics = VerifierMetrics(self.engine.info["dtype"])
+        self.metrics = VerifierMetrics(cfg.served_name, self.engine.info["dtype"])
         self._export_load()
         self._thread = threading.Thread(target=self._loop, name="specd-batcher", daemon=True)
         self._thread.start()

@@ -29,6 +29,7 @@ import os
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from actors.schema import PREPACK_CHOICES, QUANT_MODES
 
@@ -148,9 +149,26 @@ def _parser() -> argparse.ArgumentParser:
                         "prompt is admitted, unchunked against chunked prefill")
     _add_model_args(b)
 
-    sv = sub.add_parser("serve", help="start the cluster (Ray Serve + gRPC) from a config")
-    sv.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
+    sv = sub.add_parser("serve", help="start the cluster (Ray Serve + gRPC and HTTP) from a config, or for a "
+                                      "model with no config (--model)")
+    sv.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml, or the "
+                                                   "defaults with --model)")
     sv.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
+    sv.add_argument("--model", default=None, help="the target: a model directory, a hub id 'org/name[@revision]', "
+                                                  "'smollm2' or 'tiny' (overrides the config's)")
+    sv.add_argument("--draft", action="append", default=None, metavar="NAME=SPEC",
+                    help="a colocated draft (repeatable; replaces the config's drafts): SPEC is ngram[:N], "
+                         "truncated:K, default, a directory or hub id (a draft model or an EAGLE head); NAME= "
+                         "may be left out (the spec names it)")
+    sv.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": \"...\", "
+                         "\"num_speculative_tokens\": 3}' (see the README's table)")
+    sv.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp32"])
+    sv.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    sv.add_argument("--served-model-name", default=None, help="the model's name to clients (default: the hub id "
+                                                              "or the directory's name)")
+    sv.add_argument("--grpc-port", type=int, default=None)
+    sv.add_argument("--http-port", type=int, default=None)
 
     d = sub.add_parser("demo", help="start the cluster, stream a few answers through the SDK, print tokens/s "
                                     "and acceptance, shut down (--local: the in-process engine instead)")
@@ -225,20 +243,60 @@ def _setup(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    from cluster import serve as S
+def serve_config(args):
+    """The cluster config `specd serve` runs: --config (else the shipped local.yaml, or with --model
+    the defaults), then the flags over it. --draft replaces the drafts (colocated); the first
+    becomes the default draft, or "auto" (the engine picks per request) when there are several."""
+    import yaml
+
     from cluster.config import LOCAL_CONFIG, ClusterConfig
 
-    cfg = ClusterConfig.load(args.config or LOCAL_CONFIG)
+    path = args.config or (None if args.model else LOCAL_CONFIG)
+    data = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    for key, value in (("model", args.model), ("dtype", args.dtype), ("device", args.device),
+                       ("served_model_name", args.served_model_name), ("grpc_port", args.grpc_port),
+                       ("http_port", args.http_port)):
+        if value is not None:
+            data[key] = value
+    router = data.setdefault("router", {})
+    if args.draft:
+        drafts = []
+        for item in args.draft:
+            name, _, spec = item.rpartition("=")
+            drafts.append({"name": name or spec, "spec": spec, "placement": "colocated"})
+        data["drafts"] = drafts
+        router["default_draft"] = drafts[0]["name"] if len(drafts) == 1 else "auto"
+    elif path is None and args.speculative_config is None:
+        router.setdefault("default_draft", "ngram")  # the defaults' one draft
+    if args.speculative_config:
+        data["speculative_config"] = json.loads(args.speculative_config)
+        if args.draft is None:
+            data["drafts"] = []  # vLLM's config names the one draft
+            router.pop("default_draft", None)
+    return ClusterConfig.model_validate(data)
+
+
+def _serve(args) -> int:
+    from cluster import serve as S
+    from specd_client import SpecdClient
+
+    cfg = serve_config(args)
     import signal
 
     def _stop(*_):
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, _stop)  # also when started in the background, where SIGINT is ignored
     signal.signal(signal.SIGTERM, _stop)
-    addr = S.start(cfg, address=args.address)
-    print(f"specd serving {cfg.model} on grpc://{addr} (application {cfg.app_name!r}); Ctrl-C stops", flush=True)
+    print(f"specd: starting {cfg.served_name} ({cfg.model}), drafts "
+          f"{', '.join(f'{d.name}={d.spec}' for d in cfg.drafts) or 'none'} ...", flush=True)
     try:
+        addr = S.start(cfg, address=args.address)
+        with SpecdClient(addr, timeout=60, token=os.environ.get("SPECD_TOKEN")) as client:
+            S.wait_serving(client, timeout=1800, poll=0.5)  # a large model loads for minutes
+        print(f"specd serving {cfg.served_name} (application {cfg.app_name!r}); Ctrl-C stops\n"
+              f"  gRPC     {addr}\n"
+              f"  HTTP     http://{S.http_address()}{cfg.route_prefix.rstrip('/')}/v1  (OpenAI-compatible)\n"
+              f"  metrics  {' '.join(S.metrics_endpoints())}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

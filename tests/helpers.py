@@ -29,3 +29,36 @@ def chat_ids(tokenizer, content: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     return list(ids)
+
+
+def save_tiny_qwen3(path, seed: int = 0, tokenizer: bool = True, **config):
+    """A tiny random Qwen3 causal LM saved as a Hugging Face directory at `path` (the shape a user's
+    own model has on disk). tokenizer: with the embedded SmolLM2's tokenizer files (and its
+    vocabulary size), so text and chat requests work; else vocabulary 512, token-id prompts only."""
+    from pathlib import Path
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from actors.models import ensure_embedded
+
+    path = Path(path)
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(ensure_embedded(verbose=False))
+    cfg = dict(vocab_size=len(tok) if tok is not None else 512, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0)
+    if tok is not None:
+        cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**cfg, **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.eval().save_pretrained(path)
+    if tok is not None:
+        tok.save_pretrained(path)
+    return model

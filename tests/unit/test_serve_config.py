@@ -1,0 +1,78 @@
+"""The configs users bring: `specd serve`'s flags with no config file, and vLLM's speculative config,
+each mapped onto this product's drafts (the README's table) or refused naming the field."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from actors.build import make_drafter
+from actors.drafters import NgramDrafter
+from cluster.config import ClusterConfig
+from specd.cli import _parser, serve_config
+
+
+def cfg_of(*argv: str) -> ClusterConfig:
+    return serve_config(_parser().parse_args(["serve", *argv]))
+
+
+def drafts(cfg: ClusterConfig) -> list[tuple]:
+    return [(d.name, d.spec, d.placement, d.default_gamma) for d in cfg.drafts]
+
+
+@pytest.mark.parametrize("vllm,want", [
+    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
+     ("ngram", "ngram:2-5", "colocated", 4)),
+    ({"method": "ngram"}, ("ngram", "ngram:1-3", "colocated", "auto")),
+    ({"method": "eagle3", "model": "org/EAGLE3-head", "num_speculative_tokens": 3},
+     ("eagle3", "org/EAGLE3-head", "colocated", 3)),
+    ({"method": "eagle", "model": "/models/eagle-head"}, ("eagle", "/models/eagle-head", "colocated", "auto")),
+    ({"method": "draft_model", "model": "org/small", "num_speculative_tokens": 5},
+     ("draft_model", "org/small", "colocated", 5)),
+])
+def test_vllm_speculative_config_maps_onto_one_draft(vllm, want):
+    cfg = ClusterConfig.model_validate({"model": "tiny", "speculative_config": vllm})
+    assert drafts(cfg) == [want] and cfg.router.default_draft == want[0]
+    # the same through the CLI flag, and a config dumped and read back stays the same config
+    import json
+
+    assert drafts(cfg_of("--model", "tiny", "--speculative-config", json.dumps(vllm))) == [want]
+    assert drafts(ClusterConfig.model_validate(cfg.model_dump(mode="json"))) == [want]
+
+
+def test_vllm_ngram_bounds_reach_the_drafter():
+    cfg = ClusterConfig.model_validate({"model": "tiny", "speculative_config": {
+        "method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}})
+    d = make_drafter(cfg.drafts[0].spec, None, 1, 64)
+    assert isinstance(d, NgramDrafter) and (d.min_n, d.max_n) == (2, 5)
+    assert d.lookup([9, 4, 7, 1, 4, 7], 2) == [1, 4]  # the 2-gram (4, 7) matched
+    assert d.lookup([9, 4, 7, 1, 3, 7], 2) == []  # a 1-gram match is below prompt_lookup_min
+
+
+@pytest.mark.parametrize("vllm,message", [
+    ({"method": "eagle3"}, "method 'eagle3' needs a model"),
+    ({"method": "ngram", "model": "x"}, "method 'ngram' takes no model"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min \\(4\\) exceeds"),
+    ({"method": "mtp", "model": "x"}, "'ngram', 'eagle', 'eagle3' or 'draft_model'"),
+    ({"method": "ngram", "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+])
+def test_vllm_speculative_config_refused_naming_the_field(vllm, message):
+    with pytest.raises(ValidationError, match=message):
+        ClusterConfig.model_validate({"model": "tiny", "speculative_config": vllm})
+
+
+def test_serve_flags_without_a_config(tmp_path):
+    cfg = cfg_of("--model", "org/model@v2", "--dtype", "bf16", "--device", "cpu")
+    assert (cfg.model, cfg.served_name, cfg.dtype, cfg.device) == ("org/model@v2", "org/model", "bf16", "cpu")
+    assert drafts(cfg) == [("ngram", "ngram", "colocated", "auto")] and cfg.router.default_draft == "ngram"
+    cfg = cfg_of("--model", "tiny", "--draft", "ngram:2-4", "--draft", "self=truncated:2",
+                 "--served-model-name", "chat")
+    assert drafts(cfg) == [("ngram:2-4", "ngram:2-4", "colocated", "auto"), ("self", "truncated:2", "colocated", "auto")]
+    assert cfg.router.default_draft == "auto" and cfg.served_name == "chat"
+    shipped = cfg_of()  # no flags: the shipped local config, as before
+    assert shipped.model == "smollm2" and shipped.router.default_draft == "eagle"
+    from cluster.config import LOCAL_CONFIG
+
+    over = cfg_of("--config", str(LOCAL_CONFIG), "--model", str(tmp_path), "--draft", "ngram")
+    assert over.model == str(tmp_path) and drafts(over) == [("ngram", "ngram", "colocated", "auto")]
+    assert over.verifier.max_batch == shipped.verifier.max_batch  # the rest of the file stays
