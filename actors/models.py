@@ -29,7 +29,8 @@ import torch
 
 EMBEDDED = "smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
 
 
 @dataclass
@@ -128,6 +129,8 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 # What a hub snapshot needs for serving: configs, safetensors weights, tokenizer files and chat
 # templates; never the repos' duplicate original/ checkpoints or other weight formats.
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+DRAFT_HUB_FILES = HUB_FILES + ["*.bin"]  # published EAGLE heads often ship pytorch_model.bin only
+META_FILES = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]  # config and tokenizer: no weights
 
 
 def is_hub_id(spec: str) -> bool:
@@ -135,7 +138,7 @@ def is_hub_id(spec: str) -> bool:
     return bool(HUB_ID.match(spec)) and not Path(spec).expanduser().exists()
 
 
-def resolve_model_path(spec: str) -> Path:
+def resolve_model_path(spec: str, files: list[str] = HUB_FILES) -> Path:
     """A model directory: `spec` itself, or a hub id's snapshot in the local Hugging Face cache
     (HF_HOME / HF_HUB_CACHE), downloaded there first unless HF_HUB_OFFLINE=1. The token for gated
     repositories comes from HF_TOKEN (or `huggingface-cli login`)."""
@@ -153,7 +156,7 @@ def resolve_model_path(spec: str) -> Path:
 
     repo, _, revision = spec.partition("@")
     try:
-        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=files))
     except LocalEntryNotFoundError as e:
         where = "HF_HUB_OFFLINE=1 is set and" if constants.HF_HUB_OFFLINE else "the hub is unreachable and"
         raise FileNotFoundError(f"model {spec!r}: {where} the local hub cache ({constants.HF_HUB_CACHE}) holds "
@@ -192,7 +195,7 @@ def model_vocab_size(spec: str) -> int:
     if spec.startswith("tiny"):
         return tiny_config().vocab_size
     return AutoConfig.from_pretrained(ensure_embedded(verbose=False) if spec == EMBEDDED
-                                      else resolve_model_path(spec)).vocab_size
+                                      else resolve_model_path(spec, META_FILES)).vocab_size
 
 
 def build_tiny(seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
@@ -233,7 +236,7 @@ def load_tokenizer(spec: str):
     without tokenizer files: such a model takes token-id prompts only)."""
     if spec.startswith("tiny"):
         return None
-    return _tokenizer(ensure_embedded(verbose=False) if spec == EMBEDDED else resolve_model_path(spec))
+    return _tokenizer(ensure_embedded(verbose=False) if spec == EMBEDDED else resolve_model_path(spec, META_FILES))
 
 
 def _tokenizer(path: Path):

@@ -19,7 +19,7 @@
        checked as an ObjectMeta.
 * Every other Kubernetes object (the Service, ...) is checked with `kubernetes-validate` in
   strict mode (unknown fields are errors), against its bundled schemas: no network, no cluster.
-* A YAML document without apiVersion/kind (k8s/cluster-production.yaml, a specd ClusterConfig)
+* A YAML document without apiVersion/kind (k8s/cluster-demo.yaml, a specd ClusterConfig)
   is not a Kubernetes object: skipped here (tests/cluster/test_k8s.py validates it).
 
 Prints what it checked and every error with its path (`spec.rayClusterConfig.workerGroupSpecs[0].replicas`);

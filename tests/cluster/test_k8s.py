@@ -92,10 +92,45 @@ def check_placement(ray_cluster: dict, cfg: ClusterConfig) -> None:
     assert not pools.get("draft", set()) & pools["verifier"]
 
 
-def test_production_config_places_drafts_on_l4_and_verifiers_on_h100():
-    cfg = ClusterConfig.load(K8S / "cluster-production.yaml")
+def test_demo_config_places_drafts_on_l4_and_verifiers_on_h100():
+    cfg = ClusterConfig.load(K8S / "cluster-demo.yaml")
     assert cfg.verifier.resources.accelerator_type == "H100" and cfg.verifier.resources.num_gpus >= 1
     remote = [d for d in cfg.drafts if d.remote]
     assert remote and all(d.resources.accelerator_type == "L4" and d.resources.num_gpus > 0 for d in remote)
     opts = cfg.verifier.resources.ray_actor_options()
     assert opts["accelerator_type"] == "H100" and opts["resources"] == {"large_accel": 1}
+
+
+# Llama-3.1-8B-Instruct's config.json (the hub is not reachable from tests): what sizes its GPU.
+LLAMA31_8B = dict(num_hidden_layers=32, num_key_value_heads=8, head_dim=128, params=8.03e9, vocab_size=128256,
+                  hidden_size=4096)
+H100_BYTES = 80e9
+
+
+def test_real_model_example_is_sized_for_its_gpu():
+    """k8s/cluster-llama31-8b.yaml: a hub model in bf16 on CUDA with its published EAGLE-3 head and
+    n-gram inside the verifier (on its GPU); weights + the KV cache the config preallocates fit the
+    GPU the verifier asks for, with room left; the pods read the hub token and share the cache volume."""
+    from actors.models import is_hub_id
+
+    cfg = ClusterConfig.load(K8S / "cluster-llama31-8b.yaml")
+    assert is_hub_id(cfg.model) and cfg.served_name == "llama-3.1-8b-instruct"
+    assert (cfg.device, cfg.dtype) == ("cuda", "bf16")
+    assert cfg.router.default_draft == "eagle3" and all(d.placement == "colocated" for d in cfg.drafts)
+    assert is_hub_id(cfg.draft("eagle3").spec)
+    assert cfg.verifier.resources.num_gpus == 1 and cfg.verifier.resources.accelerator_type == "H100"
+    m = LLAMA31_8B
+    weights = 2 * m["params"] + 2 * (m["vocab_size"] // 4 + 4 * m["hidden_size"]) * m["hidden_size"]  # + head
+    kv = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 2 * cfg.verifier.max_batch * cfg.max_len
+    assert weights + kv < 0.8 * H100_BYTES, (weights / 1e9, kv / 1e9)
+    svc, = [d for d in docs(K8S / "rayservice-llama31-8b.yaml") if d.get("kind") == "RayService"]
+    pods = [svc["spec"]["rayClusterConfig"]["headGroupSpec"]] + svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    for group in pods:
+        container = group["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+        assert env["HF_HOME"]["value"].startswith(container["volumeMounts"][0]["mountPath"])
+        assert cfg.auth.tokens_env in env
+    verifier, = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    limits = verifier["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "1" and int(limits["memory"].removesuffix("Gi")) * 2**30 > 2 * m["params"]

@@ -10,7 +10,7 @@ import yaml
 
 from specd import k8s_check as K
 
-RAYSERVICE = K.ROOT / "k8s" / "rayservice.yaml"
+RAYSERVICE = K.ROOT / "k8s" / "rayservice-demo.yaml"
 
 @pytest.fixture(scope="module")
 def crd():
