@@ -80,3 +80,43 @@ def test_serve_a_model_directory_without_config_answers_the_sdk_and_openai(serve
                                    extra_body={"draft": "ngram", "return_token_ids": True})
     assert r.choices[0].token_ids == ref
     assert r.choices[0].message.content == sdk.text
+
+
+def readme_blocks(section: str) -> dict[str, list[str]]:
+    """The fenced code blocks of a README section, by language."""
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, list[str]] = {}
+    for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, re.S):
+        blocks.setdefault(lang, []).append(code)
+    return blocks
+
+
+def test_the_readmes_serve_your_model_requests_run(served, capsys):
+    """The README's curl and Python requests of "Serve your model", as printed there, against the
+    served directory (its addresses and name substituted for the README's)."""
+    import json
+    import shutil
+    import urllib.request
+
+    addr, base_url, _, _ = served
+
+    def local(code: str) -> str:
+        return (code.replace("http://127.0.0.1:8000/specd/v1", base_url).replace("127.0.0.1:9000", addr)
+                .replace('"my-model"', '"tiny-qwen3"'))
+    blocks = readme_blocks("Serve your model")
+    curl = next(c for c in blocks["bash"] if c.lstrip().startswith("curl"))
+    cmd = local(curl).replace("\\\n", " ")
+    if shutil.which("curl"):
+        out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120).stdout
+    else:  # the same request without curl
+        url = re.search(r"(http://\S+)", cmd).group(1)
+        body = re.search(r"-d '(.*)'", cmd).group(1).encode()
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        out = urllib.request.urlopen(req, timeout=120).read().decode()
+    r = json.loads(out)
+    assert r["model"] == "tiny-qwen3" and r["choices"][0]["message"]["content"] is not None
+    python, = blocks["python"]
+    exec(compile(local(python), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.count("\n") >= 2 and r["choices"][0]["message"]["content"] in printed
