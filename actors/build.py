@@ -23,8 +23,9 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from . import cpu
-from .llama import PACKABLE, LlamaRunner
-from .models import LoadedModel, check_draft_compatible, load_model, resolve_device, vocab_fingerprint
+from .llama import FUSED_PREFIX, PACKABLE, LlamaRunner
+from .models import (DRAFT_HUB_FILES, EMBEDDED_NAME, LoadedModel, check_draft_compatible, is_hub_id, load_model, resolve_device,
+                     resolve_model_path, vocab_fingerprint)
 from .schema import PREPACK_CHOICES
 from .tune_profile import matching
 
@@ -35,8 +36,11 @@ DRAFT_META = "specd_draft.json"
 log = logging.getLogger("specd")
 
 
-def resolve_draft(spec: str, target_name: str = "SmolLM2-135M-Instruct") -> str:
-    """'default' -> the shipped draft directory for this target; other specs unchanged."""
+def resolve_draft(spec: str, target_name: str = EMBEDDED_NAME) -> str:
+    """'default' -> the shipped draft directory for this target; a hub id -> its snapshot in the local
+    hub cache (`models.resolve_model_path`); other specs unchanged."""
+    if is_hub_id(spec):
+        return str(resolve_model_path(spec, DRAFT_HUB_FILES))
     if spec != "default":
         return spec
     sub = DEFAULT_DRAFTS.get(target_name)
@@ -46,22 +50,37 @@ def resolve_draft(spec: str, target_name: str = "SmolLM2-135M-Instruct") -> str:
     return str(DEFAULT_DRAFT_ROOT / sub)
 
 
-def draft_meta(spec: str) -> dict | None:
-    """The metadata of a `specd distill` checkpoint, or None for other specs."""
+def for_target(spec: str, target_name: str) -> str:
+    """The spec a draft serves beside this target: 'default' is the head shipped for it, or n-gram where
+    none ships (`make_drafter` logs that); other specs unchanged."""
+    if spec == "default" and target_name not in DEFAULT_DRAFTS:
+        return "ngram"
+    return spec
+
+
+def draft_meta(spec: str, target_name: str = EMBEDDED_NAME) -> dict | None:
+    """The metadata of a `specd distill` checkpoint or of a published EAGLE head (kind "eagle", its
+    "format": `drafters.eagle_formats.published_meta`), or None for other specs (and for a hub id not in
+    reach here: loading it names what is missing)."""
     try:
-        path = Path(resolve_draft(spec)) / DRAFT_META
-    except ValueError:
+        path = Path(resolve_draft(for_target(spec, target_name), target_name)) / DRAFT_META
+    except (ValueError, FileNotFoundError):
         return None
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():  # a published EAGLE head: {"kind": "eagle", "format": ..., "feature_layers": ...}
+        from .drafters.eagle_formats import published_meta
+        return published_meta(path.parent)
+    return json.loads(path.read_text())
 
 
-def draft_kind(spec: str) -> str:
-    """"ngram", "truncated", "eagle" or "model": what a draft spec is, without loading it."""
+def draft_kind(spec: str, target_name: str = EMBEDDED_NAME) -> str:
+    """"ngram", "truncated", "eagle" or "model": what a draft spec is beside this target, without
+    loading it."""
+    spec = for_target(spec, target_name)
     if spec == "ngram" or spec.startswith("ngram:"):
         return "ngram"
     if spec.startswith("truncated:"):
         return "truncated"
-    meta = draft_meta(spec)
+    meta = draft_meta(spec, target_name)
     return "eagle" if meta and meta.get("kind") == "eagle" else "model"
 
 
@@ -87,12 +106,15 @@ def ready_drafter(drafter: Drafter | None, spec: str, quant: str = "none", prepa
     return drafter
 
 
-def spec_feature_layers(spec: str) -> tuple[int, ...]:
-    """The target features a draft reads (`Drafter.feature_layers`): empty unless it is a
-    feature-level head (single-layer heads from before fused features read the final state)."""
-    meta = draft_meta(spec)
+def spec_feature_layers(spec: str, target_name: str = EMBEDDED_NAME) -> tuple[int, ...]:
+    """The target features a draft reads beside this target (`Drafter.feature_layers`): empty unless
+    it is a feature-level head (single-layer heads from before fused features read the final state)."""
+    meta = draft_meta(spec, target_name)
     if not (meta and meta.get("kind") == "eagle"):
         return ()
+    if meta.get("feature_layers", [-1]) is None:  # a published EAGLE-3 head reading the default layers
+        raise ValueError(f"draft {spec!r}: its target layers depend on the target; pin them "
+                         "(eagle_aux_hidden_state_layer_ids in its config.json) to serve it remotely")
     return tuple(meta.get("feature_layers", [-1]))
 
 
@@ -148,16 +170,65 @@ def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
             raise ValueError(f"draft {spec!r}: truncated:K needs an integer K") from None
         d = ModelDrafter.truncated(target.model, k, max_batch=max_batch, max_len=max_len)
         return d
-    if spec == "default" and target.name not in DEFAULT_DRAFTS:  # e.g. the shipped config with another model
+    if for_target(spec, target.name) != spec:  # 'default' where no head ships: e.g. the shipped config, another model
         log.warning("specd: no default draft ships for target %r: draft 'default' drafts n-grams instead "
                     "(train a head with `specd distill`)", target.name)
         return NgramDrafter()
     path = resolve_draft(spec, target.name)
     if (Path(path) / DRAFT_META).exists():
         return load_distilled(path, target, max_batch, max_len)
+    from .drafters.eagle_formats import load_published, published_format
+    if published_format(path):
+        return load_published(path, target, max_batch, max_len)
     draft = load_model(spec, dtype or next(target.model.parameters()).dtype)
     check_draft_compatible(target, draft)
     return ModelDrafter(LlamaRunner(draft.model), spec, max_batch=max_batch, max_len=max_len)
+
+
+def _tensor_bytes(tensors, seen: set) -> int:
+    """Bytes held by `tensors` not in `seen` (storages counted once: a fused weight and the views of
+    it, a truncated draft's layers shared with the target; a torchao weight by its inner tensors)."""
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            total += _tensor_bytes([getattr(t, n) for n in names], seen)
+            continue
+        key = id(t) if t.is_mkldnn or t.device.type == "meta" else t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
+    return total
+
+
+def _runner_tensors(runner: LlamaRunner) -> list:
+    return [runner.embed, runner.norm, runner.lm_head] + [v for w in runner.layers for v in vars(w).values()]
+
+
+def memory_report(hf_model, runner: LlamaRunner, cache, drafters: dict[str, Drafter]) -> dict[str, dict[str, int]]:
+    """Bytes per part: the target's weights (its model's parameters and any prepacked copies) and KV
+    cache; each draft's own weights (what it does not share with the target), its KV cache and
+    other state (e.g. a feature head's buffer of target features)."""
+    seen: set = set()
+    out = {"target": {"weights": _tensor_bytes([*hf_model.parameters(), *_runner_tensors(runner)], seen),
+                      "kv": _tensor_bytes([cache.k, cache.v], seen)}}
+    for name, d in drafters.items():
+        r = getattr(d, "runner", None)
+        c = getattr(d, "cache", None)
+        weights = _tensor_bytes(_runner_tensors(r), seen) if isinstance(r, LlamaRunner) else 0
+        kv = _tensor_bytes([c.k, c.v], seen) if c is not None and hasattr(c, "k") else 0
+        other = _tensor_bytes(vars(d).values(), seen)
+        out[name] = {"weights": weights, "kv": kv, "other": other}
+    return out
+
+
+def memory_line(report: dict[str, dict[str, int]]) -> str:
+    mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    return "; ".join(f"{part}: " + ", ".join(f"{k} {mb(v)}" for k, v in sizes.items() if v or k != "other")
+                     for part, sizes in report.items())
 
 
 @dataclass
@@ -170,7 +241,7 @@ class Built:
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32")
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}  # fp16: a GPU without bf16
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
@@ -207,9 +278,9 @@ def _layouts(dtype: str, prepack: str, on_cpu: bool) -> list[str]:
     """The weight layouts `load_target` may run a dtype in. Under "auto": bf16 prepacked wherever it
     runs (the kernel a plain bf16 matmul runs, minus the per-call reorder: bit-identical and never
     slower), fp32 both ways where prepacked fp32 runs (oneDNN's kernel against MKL's: measured)."""
-    path = PACKABLE[_TORCH_DTYPES[dtype]]
     if not on_cpu or prepack == "off":
         return ["off"]
+    path = PACKABLE[_TORCH_DTYPES[dtype]]
     if prepack == "on":
         _require_prepack(dtype)
         return ["on"]
@@ -228,12 +299,14 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     """The target in the dtype and weight layout it runs fastest in here, with its calibrated pass
     cost. Each (dtype, layout) this CPU can run (`cpu.probe`) and the settings allow is measured
     (cached per hardware and model, see calibrate.py); the one that decodes fastest per token at
-    `max_batch` rows is kept. dtype "auto" weighs bf16 and fp32; prepack "auto" takes or weighs
-    the prepacked layout (`_layouts`). Never a lossy (quantized) target. An explicit setting
-    the CPU cannot run (dtype bf16, prepack on) fails here with a message naming what is missing.
-    calibrate=False (a quantized target, calibrated as quantized by the caller): no measurement,
-    the first option (bf16 before fp32, prepacked before plain). decode_only: time one-token passes
-    only (a draft replica)."""
+    `max_batch` rows is kept. dtype "auto" weighs bf16 and fp32 on a CPU (on a GPU it is bf16, or
+    fp16 where bf16 is not supported, unmeasured); prepack "auto" takes or weighs the prepacked
+    layout (`_layouts`). The full model is loaded once: options are timed on slices of it
+    (`_slice_costs`), and the choice alone is calibrated in full. Never a lossy (quantized) target.
+    An explicit setting the CPU cannot run (dtype bf16, prepack on) fails here with a message naming
+    what is missing. calibrate=False (a quantized target, calibrated as quantized by the caller): no
+    measurement, the first option (bf16 before fp32, prepacked before plain). decode_only: time
+    one-token passes only (a draft replica)."""
     tokens = (1,) if decode_only else TOKENS
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
@@ -244,27 +317,107 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     missing = cpu.unavailable_line() if on_cpu else ""
     if dtype == "bf16" and on_cpu:
         cpu.require("bf16", "dtype: bf16", "dtype: auto or fp32")
-    dtypes = [dtype] if dtype != "auto" else ["bf16", "fp32"] if not on_cpu or cpu.available("bf16") else ["fp32"]
+    dtypes = [dtype] if dtype != "auto" else auto_dtypes(on_cpu)
     options = [(dt, lay) for dt in dtypes for lay in _layouts(dt, prepack, on_cpu)]
     note = f"; unavailable here: {missing}" if missing else ""
     if not calibrate:
         dt, lay = options[0]
         return Target(load_model(model, dt, device), None, dt, lay,
                       f"{_label((dt, lay))}: not measured (a quantized target is calibrated as it runs){note}")
-    costs, loaded = {}, {}
-    for dt, lay in options:
-        if dt not in loaded:
-            loaded[dt] = load_model(model, dt, device)
-        t = loaded[dt]
-        costs[dt, lay] = calibrated(with_prepack(LlamaRunner(t.model), lay), t.name, max_batch, device,
-                                    tokens=tokens)
     if len(options) == 1:
         (dt, lay), = options
+        t = load_model(model, dt, device)
         why = f"{_label((dt, lay))}: " + ("as configured" if (dtype, prepack) == (dt, lay) else
-                                          "the only option these settings leave here")
+                                          "on a GPU, auto is bf16 (fp16 where bf16 is not supported)" if not on_cpu
+                                          else "the only option these settings leave here")
     else:
+        # Loaded in the dtype its checkpoint holds where that is an option (exact either way: a bf16
+        # checkpoint upcasts exactly, an fp32 one rounds as loading it in bf16 would), else fp32.
+        base = _stored_dtype(model)
+        t = load_model(model, base if base in dtypes else "fp32", device)
+        costs = _slice_costs(t, options, max_batch, device, tokens)
         (dt, lay), why = choose_dtype(costs, max_batch, _label)
-    return Target(loaded[dt], costs[dt, lay], dt, lay, why + note)
+        if len(t.model.model.layers) > SLICE_LAYERS[-1]:
+            why += f" (extrapolated from {SLICE_LAYERS[0]}- and {SLICE_LAYERS[-1]}-layer slices)"
+        if _TORCH_DTYPES[dt] != next(t.model.parameters()).dtype:
+            with torch.no_grad():  # in place, parameters only (RoPE's inv_freq buffers stay fp32, as loaded)
+                for p in t.model.parameters():
+                    p.data = p.data.to(_TORCH_DTYPES[dt])
+            for m in t.model.modules():  # the slices' runners fused some layers' weights in the old dtype
+                for key in [k for k in m.__dict__ if k.startswith(FUSED_PREFIX)]:
+                    del m.__dict__[key]
+    cost = calibrated(with_prepack(LlamaRunner(t.model), lay), t.name, max_batch, device, tokens=tokens)
+    return Target(t, cost, dt, lay, why + note)
+
+
+def auto_dtypes(on_cpu: bool) -> list[str]:
+    """What dtype "auto" weighs: bf16 and fp32 on a CPU (fp32 alone where bf16 does not run); on a
+    GPU bf16 alone, or fp16 where the GPU has no bf16 (no fp32 copy is ever loaded there)."""
+    if not on_cpu:
+        return ["bf16" if torch.cuda.is_bf16_supported() else "fp16"]
+    return ["bf16", "fp32"] if cpu.available("bf16") else ["fp32"]
+
+
+SLICE_LAYERS = (2, 4)  # `_slice_costs` times these many first layers (+ embedding, final norm, LM head)
+
+
+def _slice_costs(t: LoadedModel, options: list[tuple[str, str]], max_batch: int, device: str,
+                 tokens: tuple[int, ...]) -> dict[tuple[str, str], PassCost]:
+    """Each (dtype, layout)'s pass cost of the whole model, estimated without a second full copy:
+    runners over its first 2 and 4 layers (and its LM head), in the option's dtype (a copy of those
+    layers alone where it is not the loaded one), extrapolated per point by the cost of a layer
+    (half the 4-layer minus the 2-layer cost). A model of at most 4 layers is timed whole."""
+    lo, hi = SLICE_LAYERS
+    n_layers = len(t.model.model.layers)
+    loaded = next(t.model.parameters()).dtype
+    costs = {}
+    for dt, lay in options:
+        if n_layers <= hi:
+            src = t.model if _TORCH_DTYPES[dt] == loaded else _slice(t.model, n_layers, _TORCH_DTYPES[dt])
+            costs[dt, lay] = calibrated(with_prepack(LlamaRunner(src), lay), t.name, max_batch, device, tokens=tokens)
+            continue
+        src = t.model if _TORCH_DTYPES[dt] == loaded else _slice(t.model, hi, _TORCH_DTYPES[dt])
+        c_lo, c_hi = (calibrated(with_prepack(LlamaRunner(src, num_layers=k), lay), t.name, max_batch, device,
+                                 tokens=tokens) for k in (lo, hi))
+        per_layer = {k: max(c_hi.points[k] - c_lo.points[k], 0.0) / (hi - lo) for k in c_hi.points}
+        costs[dt, lay] = PassCost({k: c_hi.points[k] + (n_layers - hi) * per_layer[k] for k in c_hi.points},
+                                  c_hi.dtype, {"slices": [c_lo.meta, c_hi.meta], "layers": n_layers})
+    return costs
+
+
+def _slice(model, layers: int, dtype: torch.dtype):
+    """A copy of `model`'s first `layers` decoder layers, embedding, final norm and LM head in
+    `dtype` (a model of the same class; its buffers, e.g. RoPE tables, shared)."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    with torch.device("meta"):
+        part = type(model)(cfg)
+    keep = {f"model.layers.{i}." for i in range(layers)}
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
+    part.load_state_dict(state, assign=True, strict=False)
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if not name.startswith("model.layers.") or any(name.startswith(p) for p in keep):
+            part.get_submodule(owner)._buffers[leaf] = buf
+    return part.eval()
+
+
+def _stored_dtype(spec: str) -> str:
+    """"bf16" where the model's checkpoint holds bf16 weights (its config says so), else "fp32"."""
+    from transformers import AutoConfig
+
+    from .models import EMBEDDED, resolve_model_path
+
+    if spec == EMBEDDED or spec.startswith("tiny"):
+        return "fp32"  # the dequantised embedded model, random test models
+    cfg = AutoConfig.from_pretrained(resolve_model_path(spec))
+    stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    return "bf16" if str(stored).replace("torch.", "") in ("bfloat16", "bf16") else "fp32"
 
 
 def _label(option: tuple[str, str]) -> str:
@@ -302,14 +455,15 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     prepack = "off" if compile else prepack
     chosen = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack)
     target, cost, dt, prepack, why = chosen.model, chosen.cost, chosen.dtype, chosen.prepack, chosen.why
-    max_len = min(max_len, int(getattr(target.model.config, "max_position_embeddings", max_len)) - KV_HEADROOM)
+    runner = LlamaRunner(target.model)  # a longrope model serves fewer positions than its config says
+    max_len = min(max_len, runner.max_position - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():
         d = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, dq.get(name, "none"), prepack)
         if d is not None:
             drafters[name] = d
     drafters.update(extra_drafters or {})
-    runner = with_prepack(quantize_runner(LlamaRunner(target.model), quant), prepack)
+    runner = with_prepack(quantize_runner(runner, quant), prepack)
     if quant != "none":  # load_target measured the unquantized weights
         cost = calibrated(runner, target.name, max_batch, device)
     if compile:
@@ -331,5 +485,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                        draft_quant={n: getattr(getattr(d, "runner", None), "quant", "none")
                                     for n, d in drafters.items() if getattr(d, "runner", None) is not None},
                        tune_profiles={name: prof.path for name, prof in profiles.items()})
+    engine.info["memory"] = memory_report(target.model, runner, engine.cache, drafters)
+    log.info("specd: %s in %s, memory: %s", target.name, _label((dt, prepack)), memory_line(engine.info["memory"]))
     engine.warm()
     return Built(engine, target, drafters, dt, why)

@@ -135,8 +135,10 @@ def grid(max_batch: int, tokens: tuple[int, ...] = TOKENS, cap: int = MAX_GRID_T
 
 def measure(runner, max_batch: int, reps: int = 2, context: int = CONTEXT, progress=None,
             tokens: tuple[int, ...] = TOKENS, cap: int = MAX_GRID_TOKENS) -> PassCost:
-    """Time the runner over the grid (min of `reps` interleaved runs, after one warm-up pass)."""
+    """Time the runner over the grid (min of `reps` interleaved runs, after one warm-up pass), at a
+    `context` of cached positions (fewer where the runner serves fewer)."""
     points = grid(max_batch, tokens, cap)
+    context = min(context, runner.max_position - max(tokens) - 1)
     rows = max(b for b, _ in points)
     cache = runner.new_cache(rows, context + max(tokens) + 1)
     dev = runner.device

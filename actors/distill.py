@@ -16,6 +16,10 @@ A run (`specd distill`):
      mean accepted length at γ = 1..8, draft and target step times, c, and the
      speedup the Leviathan formula predicts from them.
 
+The target may be of any family the fast runner serves: the EAGLE head's layer starts as the
+target's last layer where that maps onto it exactly, else at random with a logged line
+(`drafters/eagle.py`); a truncated draft is a model of the target's own family.
+
 Every draft may restrict its output head to the R most frequent tokens of the
 training data; it can then never propose another token (the loss renormalises
 the teacher over those R tokens), but each draft step is cheaper.
@@ -83,15 +87,16 @@ def head_input(s: TeacherSeq, layers: tuple[int, ...], kept: tuple[int, ...]) ->
 
 
 def read_corpus(path: str | Path) -> list[dict]:
-    """JSONL rows with "prompt" (generated from, chat template applied), "messages", or "text"
-    (used as-is, no generation); optional "domain"."""
+    """JSONL rows with "prompt" (generated from, chat template applied), "messages", "ids" (token
+    ids, generated from as they are: a pre-tokenized corpus, or a target without a tokenizer) or
+    "text" (used as-is, no generation); optional "domain"."""
     rows = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
             continue
         obj = json.loads(line)
-        if not any(k in obj for k in ("prompt", "messages", "text")):
-            raise ValueError(f"{path}:{i + 1}: each line needs 'prompt', 'messages' or 'text'")
+        if not any(k in obj for k in ("prompt", "messages", "ids", "text")):
+            raise ValueError(f"{path}:{i + 1}: each line needs 'prompt', 'messages', 'ids' or 'text'")
         rows.append(obj)
     if not rows:
         raise ValueError(f"{path}: no rows")
@@ -208,10 +213,12 @@ class Student(torch.nn.Module):
                 k = int(kind.split(":", 1)[1])
                 cfg = copy.deepcopy(tm.config)
                 cfg.num_hidden_layers = k
-                self.model = LlamaForCausalLM(cfg)
+                if getattr(cfg, "layer_types", None):
+                    cfg.layer_types = cfg.layer_types[:k]
+                self.model = type(tm)(cfg)  # the target's own family: every weight of its first K layers
                 state = {n: t.detach().clone() for n, t in tm.state_dict().items()
                          if not n.startswith("model.layers.") or int(n.split(".")[2]) < k}
-                self.model.load_state_dict(state, strict=False)
+                self.model.load_state_dict(state)
                 # The embedding and LM head stay the target's (frozen): the layers adapt.
                 self.model.model.embed_tokens.weight.requires_grad_(False)
                 self.model.lm_head.weight.requires_grad_(False)
@@ -536,6 +543,9 @@ def _init_from(cfg: DistillConfig, target: LoadedModel) -> Student:
 
     path = resolve_draft(cfg.init_from, target.name)
     meta = draft_meta(path) or {}
+    if meta.get("format"):
+        raise ValueError(f"--init-from {cfg.init_from!r} is a published {meta['format']} head, whose architecture "
+                         "is not specd's (serve it with --draft PATH instead)")
     if cfg.kind not in ("eagle", "eagle3") or meta.get("kind") != "eagle":
         raise ValueError(f"--init-from takes an EAGLE checkpoint for --kind eagle or eagle3; {cfg.init_from!r} is "
                          f"{meta.get('kind', 'not a specd distill checkpoint')}")
@@ -621,7 +631,8 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
             "vocab_fingerprint": vocab_fingerprint(target), "head_vocab": len(vmap),
             "config": asdict(cfg), "trained_on": str(data), "domain": domain, "qat": cfg.qat}
     student.save(out, meta)
-    drafter = ready_drafter(make_drafter(str(out), target, 1, 512), str(out))  # timed as it serves (a QAT head in int8)
+    max_len = min(512, int(getattr(target.model.config, "max_position_embeddings", 512)) - KV_HEADROOM)
+    drafter = ready_drafter(make_drafter(str(out), target, 1, max_len), str(out))  # timed as it serves (QAT: int8)
     times = step_times(target, drafter)
     g_best = max(GAMMAS, key=lambda g: leviathan_speedup(after["all"]["alpha"], g, times["c"]))
     report = {

@@ -1,17 +1,31 @@
-"""Fast llama-family forward for decoding, over a slotted static KV cache.
+"""Fast decoder forward for decoding, over a slotted static KV cache.
 
-Owns: the decoder math (RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU; Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm) over weights taken from a
-Hugging Face llama-family model (`SUPPORTED_MODEL_TYPES`), and the KV
-cache whose rollback is O(1): every slot has a length, and truncating a
-sequence to its accepted prefix only lowers that length.
+Owns: the decoder math of the families in `SUPPORTED_MODEL_TYPES`, over weights taken from the
+Hugging Face model, and the KV cache whose rollback is O(1): every slot has a length, and
+truncating a sequence to its accepted prefix only lowers that length. Each family's math is
+checked against its own `transformers` modeling file (tests/unit/test_families.py):
+  llama, mistral   RMSNorm, rotary embeddings, grouped-query attention, SwiGLU (Llama's optional
+                   attention bias); Mistral's sliding window on every layer
+  qwen2, qwen3     Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm; sliding layers where
+                   `layer_types` has them
+  phi3             fused qkv_proj and gate_up_proj, partial rotary, a sliding window on every layer
+  gemma2,          embeddings scaled by sqrt(E), RMSNorm scaling by (1 + weight) (folded into an fp32
+  gemma3_text      copy at load), sandwich norms around attention and MLP, query_pre_attn_scalar,
+                   GELU (tanh) MLP, alternating sliding and global layers, final logit soft-capping;
+                   Gemma2's attention logit soft-capping; Gemma3's q/k norms and local RoPE base
+RoPE, as HF computes it, becomes one table per distinct rotary (Gemma3: local and global): exact
+for the static rope types (default, linear, llama3, yarn). "dynamic" NTK changes HF's frequencies
+only past max_position_embeddings, where no cache reaches, so below it is the plain table;
+"longrope" switches HF to its long factors (recomputing the cache) past
+original_max_position_embeddings, so the runner serves positions up to there only. Any other
+rope type, a non-causal config, or an unchecked activation is refused at load.
 
 Does not know: tokenizers, sampling, requests or speculation.
 
 Why not the Hugging Face forward: at batch 1 on a CPU the eager HF forward
 spends most of its time in per-op Python overhead (~1.1 ms per decoder layer
 for SmolLM2). Here Q/K/V and gate/up are fused into one matmul each, RoPE is a
-table lookup, the mask is built once per forward and shared by all layers,
+table lookup, the masks are built once per forward and shared by all layers,
 and the cache is preallocated, so a decode step is a short, fixed list of ops.
 
 Shapes: B rows (sequences in this forward), T new tokens per row, S slots,
@@ -36,11 +50,18 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [E]
     w_gate_up: torch.Tensor  # [2 * I, E]
     w_down: torch.Tensor  # [E, I]
-    q_norm: torch.Tensor | None = None  # [D]: Qwen3's RMSNorm of each query head before RoPE
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's (Gemma3's) RMSNorm of each query head before RoPE
     k_norm: torch.Tensor | None = None  # [D]: and of each key head
     # [E]: an EAGLE-3 head's layer, fed x = [token embedding | feature] ([B, T, 2E]): attention reads
     # [attn_norm(embedding) | hidden_norm(feature)] (wqkv is [.., 2E]); the residual stream is the feature
     hidden_norm: torch.Tensor | None = None
+    bo: torch.Tensor | None = None  # [E]: the output projection's bias (Llama/Gemma attention_bias)
+    # [E]: Gemma's sandwich norms, on the attention output and on the MLP output before each residual add
+    # (mlp_norm is then its pre_feedforward_layernorm)
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding-window attention: the query at position p sees keys p-window+1 .. p
+    rope: int = 0  # which of the runner's RoPE tables (`LlamaRunner.ropes`) this layer rotates with
 
 
 @dataclass
@@ -48,9 +69,11 @@ class TreeMask:
     """The shape of B token trees whose new tokens are fed as [B, T]: the RoPE position of token
     t is the row's cache length + depth[b, t], and anc[b, t, u] says whether it attends to key u
     of the last `past` cached positions followed by the T new ones (the tree's earlier nodes, fed
-    by earlier calls, are the `past` ones; everything before them is the visible context).
-    For the target's verify pass (`from_parents`), index 0 is the root (the last committed
-    token), past is 0 and depth is the tree depth."""
+    by earlier calls, are the `past` ones; everything before them is the visible context, a chain
+    whose RoPE positions are its cache positions, and no node sits before the first `past` one:
+    depth >= -past). For the target's verify pass (`from_parents`), index 0 is the root (the last
+    committed token), past is 0 and depth is the tree depth. A sliding window counts distance along
+    the node's path: each ancestor is one position before its child."""
     depth: torch.Tensor  # int64 [B, T]: RoPE offset from the row's cache length
     anc: torch.Tensor  # bool [B, T, past + T]
     past: int = 0
@@ -126,11 +149,11 @@ class KVCache:
 
 
 class LlamaRunner:
-    """A llama-family decoder (optionally only its first `num_layers` layers).
+    """A decoder of a supported family (optionally only its first `num_layers` layers).
 
     A truncated runner built with `num_layers=K` shares the full model's weight
     tensors, fused ones included (see `_fused`): that is the self-draft, and it
-    costs only its KV cache.
+    costs only its KV cache (and, for Gemma, fp32 copies of its norm weights).
     """
 
     def __init__(self, hf_model, num_layers: int | None = None):
@@ -140,14 +163,14 @@ class LlamaRunner:
             raise ValueError(
                 f"model_type {model_type!r} is not supported by the fast runner "
                 f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})")
-        window = _sliding_window(cfg)
-        max_pos = int(getattr(cfg, "max_position_embeddings", 8192))
-        if window is not None and window < max_pos:
-            raise ValueError(f"sliding-window attention (window {window} < max_position_embeddings {max_pos}) is not "
-                             f"supported by the fast runner yet")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError(f"{model_type}: use_bidirectional_attention is not a causal decoder; the fast runner "
+                             f"serves causal attention only")
+        gemma = model_type in GEMMA_TYPES
+        field = "hidden_activation" if gemma and getattr(cfg, "hidden_activation", None) else "hidden_act"
+        act = getattr(cfg, field, None) or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{field} {act!r} is not supported (only {sorted(ACTIVATIONS)})")
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.hidden_size
@@ -162,41 +185,92 @@ class LlamaRunner:
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
 
+        # What sets one family's math apart, fixed here so that forward only reads attributes.
+        self.act = ACTIVATIONS[act]
+        self.rms = _rms_norm_fp32_scale if gemma else _rms_norm  # Gemma: (1 + w), folded, scales in fp32
+        self.scaling = float(cfg.query_pre_attn_scalar if gemma else self.head_dim) ** -0.5
+        # Gemma2 soft-caps attention logits (cap * tanh(s / cap)); Gemma3's config has the field but
+        # its attention never applies it, so neither does this runner.
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if model_type == "gemma2" else None
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if gemma else None
+
         base = hf_model.model
         p = next(hf_model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.embed = base.embed_tokens.weight.detach()  # [V, E]
-        self.norm = base.norm.weight.detach()  # [E]; None: forward returns the pre-norm residual stream
+        scale = getattr(base.embed_tokens, "embed_scale", None)  # Gemma: sqrt(E), cast to the dtype as HF does
+        self.embed_scale = None if scale is None else scale.detach().to(self.dtype)
+        self._norm_weight = _fold_one if gemma else _as_is
+        self.norm = self._norm_weight(base.norm.weight)  # [E]; None: forward returns the pre-norm residual stream
         self.lm_head = hf_model.lm_head.weight.detach()  # [V, E] (may be tied to embed)
-        self.layers = [self._fuse(base.layers[i]) for i in range(self.num_layers)]
 
-        # RoPE as a table: cos/sin[pos] = cos/sin(pos * inv_freq) * attention_scaling,
-        # computed exactly as HF's rotary embedding does (fp32), duplicated to D.
-        rot = base.rotary_emb
-        inv_freq = rot.inv_freq.detach().float().to(self.device)  # [D/2]
-        scale = float(getattr(rot, "attention_scaling", 1.0))
+        # RoPE as tables: cos/sin[pos] = cos/sin(pos * inv_freq) * attention_scaling, computed exactly
+        # as HF's rotary embedding does (fp32), duplicated to the rotated dims; one table per rotary.
         max_pos = int(getattr(cfg, "max_position_embeddings", 8192))
-        pos = torch.arange(max_pos, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.cos = (emb.cos() * scale).to(self.dtype)
-        self.sin = (emb.sin() * scale).to(self.dtype)
-        self.max_position = max_pos
+        self.max_position, self.positions_why = max_pos, "max_position_embeddings"
+        rotaries = _rotaries(cfg, base.rotary_emb)  # {layer type or None: (inv_freq, scaling, rope params)}
+        for params in rotaries.values():
+            if params[2].get("rope_type", "default") == "longrope":
+                limit = int(params[2]["original_max_position_embeddings"])
+                if limit < self.max_position:
+                    self.max_position = limit
+                    self.positions_why = ("longrope's original_max_position_embeddings: past it HF switches "
+                                          "to the long factors and recomputes the whole cache")
+        rope_index = {key: i for i, key in enumerate(rotaries)}
+        self.ropes = [self._rope_table(inv, scale) for inv, scale, _ in rotaries.values()]  # [(cos, sin) [P, R]]
+        self.cos, self.sin = self.ropes[0]
 
-    def _fuse(self, layer) -> LayerWeights:
+        types = _layer_types(cfg)
+        windows = _layer_windows(cfg, types)
+        self.layers = []
+        for i in range(self.num_layers):
+            w = windows[i] if windows[i] is not None and windows[i] < self.max_position else None
+            rope = rope_index[types[i] if None not in rope_index else None]
+            self.layers.append(self._fuse(base.layers[i], w, rope))
+        self.windows = sorted({w.window for w in self.layers if w.window is not None})
+
+    def _rope_table(self, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = inv_freq.detach().float().to(self.device)  # [R/2]
+        if 2 * len(inv_freq) != self.head_dim and self.config.model_type not in PARTIAL_ROTARY_TYPES:
+            raise ValueError(f"{self.config.model_type}: a partial rotary ({2 * len(inv_freq)} of {self.head_dim} "
+                             f"head dims) is not what its HF attention computes")
+        pos = torch.arange(self.max_position, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, R]
+        return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
+
+    def _fuse(self, layer, window: int | None, rope: int) -> LayerWeights:
         at, mlp = layer.self_attn, layer.mlp
-        has_bias = at.q_proj.bias is not None
+        norm = self._norm_weight
+        if any(getattr(m, "bias", None) is not None for m in mlp.children()):
+            raise ValueError(f"{self.config.model_type}: MLP biases (mlp_bias) are not supported by the fast runner")
+        if hasattr(at, "qkv_proj"):  # Phi3: already fused, in the q, k, v order used here
+            wqkv, bqkv = at.qkv_proj.weight.detach(), at.qkv_proj.bias
+            bqkv = None if bqkv is None else bqkv.detach()
+        else:
+            wqkv = _fused(at, "weight", [at.q_proj, at.k_proj, at.v_proj])
+            bqkv = _fused(at, "bias", [at.q_proj, at.k_proj, at.v_proj]) if at.q_proj.bias is not None else None
+        if hasattr(mlp, "gate_up_proj"):  # Phi3: [gate; up], as here
+            w_gate_up = mlp.gate_up_proj.weight.detach()
+        else:
+            w_gate_up = _fused(mlp, "weight", [mlp.gate_proj, mlp.up_proj])
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma
         qk_norm = getattr(at, "q_norm", None) is not None
         return LayerWeights(
-            attn_norm=layer.input_layernorm.weight.detach(),
-            wqkv=_fused(at, "weight", [at.q_proj, at.k_proj, at.v_proj]),
-            bqkv=_fused(at, "bias", [at.q_proj, at.k_proj, at.v_proj]) if has_bias else None,
+            attn_norm=norm(layer.input_layernorm.weight),
+            wqkv=wqkv,
+            bqkv=bqkv,
             wo=at.o_proj.weight.detach(),
-            mlp_norm=layer.post_attention_layernorm.weight.detach(),
-            w_gate_up=_fused(mlp, "weight", [mlp.gate_proj, mlp.up_proj]),
+            mlp_norm=norm((layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight),
+            w_gate_up=w_gate_up,
             w_down=mlp.down_proj.weight.detach(),
-            q_norm=at.q_norm.weight.detach() if qk_norm else None,
-            k_norm=at.k_norm.weight.detach() if qk_norm else None,
+            q_norm=norm(at.q_norm.weight) if qk_norm else None,
+            k_norm=norm(at.k_norm.weight) if qk_norm else None,
+            bo=None if at.o_proj.bias is None else at.o_proj.bias.detach(),
+            post_attn_norm=norm(layer.post_attention_layernorm.weight) if sandwich else None,
+            post_mlp_norm=norm(layer.post_feedforward_layernorm.weight) if sandwich else None,
+            window=window,
+            rope=rope,
         )
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -204,7 +278,8 @@ class LlamaRunner:
         small cache is ~3x faster there, with no native bf16 softmax, and rounds less), and to the
         model's dtype on a GPU (bf16 KV halves the bytes every attention reads)."""
         if max_len > self.max_position:
-            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {self.max_position}")
+            raise ValueError(f"max_len {max_len} exceeds the {self.max_position} positions this runner serves "
+                             f"(the model's {self.positions_why})")
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device)
@@ -246,30 +321,18 @@ class LlamaRunner:
         contiguous = slots == list(range(slots[0], slots[0] + B))
         sl = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=dev)
         slot_idx = torch.tensor(slots, device=dev)[:, None]  # [B, 1]
+        rope_pos = positions if tree is None else start_t[:, None] + tree.depth  # [B, T]
+        masks = self._masks(starts, start_t, positions, rope_pos, end, tree)  # window -> (mask, first key)
 
-        keys = torch.arange(end, device=dev)  # [end]
-        if tree is None:
-            # Causal mask over cache positions: key j is visible to the query at position p iff j <= p.
-            # Not needed when every row attends to all of [0, end), i.e. one token per row, same length.
-            rope_pos = positions
-            if T == 1 and min(starts) == max(starts):
-                mask = None
-            else:
-                mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, end]
-        else:
-            rope_pos = start_t[:, None] + tree.depth  # [B, T]
-            U = tree.past + T
-            offs = keys[None, :] - (start_t[:, None] - tree.past)  # [B, end]: key's index in the tree block
-            in_block = (offs >= 0) & (offs < U)  # [B, end]
-            anc = tree.anc.gather(2, offs.clamp(0, U - 1)[:, None, :].expand(B, T, end))  # [B, T, end]
-            mask = ((offs < 0)[:, None, :] | (in_block[:, None, :] & anc))[:, None]  # [B, 1, T, end]
-
-        cos = self.cos[rope_pos][:, :, None, :]  # [B, T, 1, D]
-        sin = self.sin[rope_pos][:, :, None, :]
+        ropes = [(c[rope_pos][:, :, None, :], s[rope_pos][:, :, None, :]) for c, s in self.ropes]  # [B, T, 1, R]
         H, Hkv = self.n_heads, self.n_kv
         x = F.embedding(tokens, self.embed) if embeds is None else embeds.to(self.dtype)  # [B, T, E]
+        if self.embed_scale is not None and embeds is None:
+            x = x * self.embed_scale
         taps = {}
         for li, w in enumerate(self.layers):
+            cos, sin = ropes[w.rope]
+            mask, lo = masks[w.window]
             q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm,
                                      w.hidden_norm)  # [B, T, *, D]
             if w.hidden_norm is not None:
@@ -277,17 +340,22 @@ class LlamaRunner:
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
             kc[slot_idx, positions] = k.to(kc.dtype)
             vc[slot_idx, positions] = v.to(vc.dtype)
-            keys = kc[sl, :end] if contiguous else kc[:, :end][sl]  # [B, end, Hkv, D]
-            vals = vc[sl, :end] if contiguous else vc[:, :end][sl]
-            a = F.scaled_dot_product_attention(
-                q.transpose(1, 2).to(kc.dtype), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=mask, enable_gqa=Hkv != H)  # [B, H, T, D]
-            x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down)
+            keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
+            vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
+            q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
+            if self.attn_softcap is None:
+                a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                                                   scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
+            else:
+                a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
+                                          self.attn_softcap)
+            x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down, w.bo, w.post_attn_norm,
+                                w.post_mlp_norm)
             if li in features:
                 taps[li] = x
         for s, n in zip(slots, num_new):
             cache.lengths[s] += n
-        out = x if self.norm is None else _rms_norm(x, self.norm, self.eps)
+        out = x if self.norm is None else self.rms(x, self.norm, self.eps)
         if not features:
             return out
         taps[-1] = out
@@ -296,30 +364,79 @@ class LlamaRunner:
             raise ValueError(f"features {missing}: this runner has layers 0..{self.num_layers - 1} (-1: final)")
         return out, torch.cat([taps[i] for i in features], -1)
 
+    def _masks(self, starts: list[int], start_t: torch.Tensor, positions: torch.Tensor, rope_pos: torch.Tensor,
+               end: int, tree: "TreeMask | None") -> dict:
+        """The attention masks of one forward, for every window its layers use (None: full causal):
+        window -> (mask bool [B, 1, T, end - lo] or None where every row attends to every key, lo: the
+        first cache position any query of this forward may see through that window; keys before it
+        are not read at all)."""
+        B, T = positions.shape
+        dev = self.device
+        keys = torch.arange(end, device=dev)  # [end]
+        if tree is None:
+            # Causal mask over cache positions: key j is visible to the query at position p iff j <= p.
+            # Not needed when every row attends to all of [0, end), i.e. one token per row, same length.
+            uniform = T == 1 and min(starts) == max(starts)
+            full = None if uniform else (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, end]
+        else:
+            U = tree.past + T
+            offs = keys[None, :] - (start_t[:, None] - tree.past)  # [B, end]: key's index in the tree block
+            in_block = (offs >= 0) & (offs < U)  # [B, end]
+            idx = offs.clamp(0, U - 1)[:, None, :].expand(B, T, end)
+            anc = tree.anc.gather(2, idx)  # [B, T, end]
+            full = ((offs < 0)[:, None, :] | (in_block[:, None, :] & anc))[:, None]  # [B, 1, T, end]
+        masks = {None: (full, 0)}
+        for W in self.windows:
+            if end <= W:  # no query is W positions past any key
+                masks[W] = (full, 0)
+                continue
+            if tree is None:  # key j visible to the query at position p iff p - W < j <= p
+                lo = max(0, min(starts) - W + 1)
+                k, p = keys[lo:][None, None, :], positions[:, :, None]
+                masks[W] = (None if uniform else ((k <= p) & (k > p - W))[:, None], lo)  # [B, 1, T, end - lo]
+                continue
+            # A tree node's distance to a key: along its path inside the block (the path nodes after the
+            # key, up to the node itself), to the context before it by RoPE positions.
+            anc_l = tree.anc.long()
+            after = anc_l.flip(-1).cumsum(-1).flip(-1) - anc_l  # [B, T, U]
+            dist = torch.where(in_block[:, None, :], after.gather(2, idx),
+                               rope_pos[:, :, None] - keys[None, None, :])  # [B, T, end]
+            lo = max(0, min(starts) - tree.past - W + 1)
+            masks[W] = ((full[:, 0] & (dist < W))[:, None, :, lo:], lo)
+        return masks
+
     def _pre_attn(self, x, attn_norm, wqkv, bqkv, cos, sin, q_norm=None, k_norm=None, hidden_norm=None):
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D], rotated (after Qwen3's per-head
         q/k RMSNorm, where the layer has one). See `LayerWeights` for the layers without attn_norm
         or with hidden_norm (then x is [B, T, 2E])."""
         B, T = x.shape[:2]
+        rms = self.rms
         if hidden_norm is not None:
             e, f = x.chunk(2, dim=-1)
-            h = torch.cat([_rms_norm(e, attn_norm, self.eps), _rms_norm(f, hidden_norm, self.eps)], -1)
+            h = torch.cat([rms(e, attn_norm, self.eps), rms(f, hidden_norm, self.eps)], -1)
         else:
-            h = x if attn_norm is None else _rms_norm(x, attn_norm, self.eps)
+            h = x if attn_norm is None else rms(x, attn_norm, self.eps)
         qkv = linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
         q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
             [self.n_heads, self.n_kv, self.n_kv], dim=2)
         if q_norm is not None:
-            q, k = _rms_norm(q, q_norm, self.eps), _rms_norm(k, k_norm, self.eps)
+            q, k = rms(q, q_norm, self.eps), rms(k, k_norm, self.eps)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
-    def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down):
-        """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]."""
+    def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down, bo=None, post_attn_norm=None, post_mlp_norm=None):
+        """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]. With Gemma's
+        sandwich norms: x + post_attn_norm(o), then + post_mlp_norm(mlp(mlp_norm(x)))."""
         B, T = x.shape[:2]
-        x = x + linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo)
-        h = _rms_norm(x, mlp_norm, self.eps)
+        o = linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo, bo)
+        if post_attn_norm is not None:
+            o = self.rms(o, post_attn_norm, self.eps)
+        x = x + o
+        h = self.rms(x, mlp_norm, self.eps)
         gate, up = linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return x + linear(F.silu(gate) * up, w_down)
+        m = linear(self.act(gate) * up, w_down)
+        if post_mlp_norm is not None:
+            m = self.rms(m, post_mlp_norm, self.eps)
+        return x + m
 
     def compile(self) -> "LlamaRunner":
         """Opt-in: compile the dense math of a decoder layer (norms, fused projections, RoPE,
@@ -361,33 +478,80 @@ class LlamaRunner:
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., E] -> logits [..., V] (in the model dtype)."""
-        return linear(hidden, self.lm_head)
+        """hidden [..., E] -> logits [..., V] (in the model dtype); Gemma's final soft-capping,
+        cap * tanh(logits / cap), where the config sets one."""
+        out = linear(hidden, self.lm_head)
+        if self.final_softcap is not None:
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out
 
     def warm(self) -> int:
         """Compile the kernels of the shapes this runner's linears will meet (`warm_linears`): the
         layers' at every bucket, the LM head's up to 256 rows (each warmed row costs a full LM
         head, 57 MFLOP with SmolLM2's; a wider pass, e.g. verifying a full batch of token trees,
         compiles its bucket on first use)."""
-        layers = [wb for w in self.layers for wb in ((w.wqkv, w.bqkv), (w.wo, None), (w.w_gate_up, None),
+        layers = [wb for w in self.layers for wb in ((w.wqkv, w.bqkv), (w.wo, w.bo), (w.w_gate_up, None),
                                                      (w.w_down, None))]
         return warm_linears(layers) + warm_linears([(self.lm_head, None)], max_rows=256)
 
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"}
+GEMMA_TYPES = {"gemma2", "gemma3_text"}
+PARTIAL_ROTARY_TYPES = {"phi3"}  # families whose HF attention rotates only the first dims of a head
+# Rope types whose HF frequencies the runner's tables reproduce (see the module docstring for
+# dynamic and longrope); any other is refused at load.
+ROPE_TYPES = {"default", "linear", "llama3", "yarn", "dynamic", "longrope"}
 
 
-def _sliding_window(cfg) -> int | None:
-    """The attention window some layer of this config uses (None: every layer attends to all):
-    Mistral's `sliding_window`; Qwen2/3's where `layer_types` (or `use_sliding_window`) has
-    sliding layers; never Llama's."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The MLP activations checked against HF's (ACT2FN): SiLU, and Gemma's "gelu_pytorch_tanh".
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
+def _layer_types(cfg) -> list[str]:
+    """Each layer's attention type ("full_attention" or "sliding_attention")."""
+    n = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None or cfg.model_type in ("llama", "mistral", "phi3"):  # their HF models ignore layer_types
+        return ["full_attention"] * n
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"{cfg.model_type}: layer types {unknown} are not supported by the fast runner")
+    return list(types)
+
+
+def _layer_windows(cfg, types: list[str]) -> list[int | None]:
+    """Each layer's attention window (None: it attends to all): Mistral's and Phi3's
+    `sliding_window` on every layer; Qwen2/3's and Gemma's on the layers `layer_types` marks
+    sliding; never Llama's."""
     window = getattr(cfg, "sliding_window", None)
     if not window or cfg.model_type == "llama":
-        return None
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(cfg, "use_sliding_window", True) else None
+        return [None] * len(types)
+    if cfg.model_type in ("mistral", "phi3"):
+        return [int(window)] * len(types)
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _rotaries(cfg, rot) -> dict:
+    """HF's rotary embedding(s) of a model: {layer type (None: one for all layers): (inv_freq [R/2],
+    attention_scaling, rope parameters)}. The frequencies are the ones HF rotates with below
+    max_position_embeddings: its `original_inv_freq` (a dynamic or longrope rotary rewrites its
+    `inv_freq` after a long call)."""
+    def one(prefix: str, rope_type: str, params: dict):
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{cfg.model_type}: rope_type {rope_type!r} is not supported by the fast runner "
+                             f"(supported: {sorted(ROPE_TYPES)})")
+        inv = getattr(rot, f"{prefix}original_inv_freq", None)
+        inv = getattr(rot, f"{prefix}inv_freq") if inv is None else inv
+        return inv, float(getattr(rot, f"{prefix}attention_scaling", 1.0)), params
+
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(getattr(rot, "rope_type", None), dict):  # Gemma3: one rotary per layer type
+        return {lt: one(f"{lt}_", rt, params.get(lt) or {}) for lt, rt in rot.rope_type.items()}
+    return {None: one("", getattr(rot, "rope_type", "default"), params)}
 
 
 def context_features(runner: LlamaRunner, context: list[int], features: tuple[int, ...]) -> torch.Tensor:
@@ -489,6 +653,9 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return F.linear(x, w, b)
 
 
+FUSED_PREFIX = "_specd_fused_"  # `_fused`'s cache on a module; stale once the model's dtype changes
+
+
 def _fused(owner: torch.nn.Module, attr: str, linears: list[torch.nn.Linear]) -> torch.Tensor:
     """One contiguous tensor holding the linears' `attr` (weight or bias) stacked on dim 0.
 
@@ -497,7 +664,7 @@ def _fused(owner: torch.nn.Module, attr: str, linears: list[torch.nn.Linear]) ->
     the same model (the self-draft) shares it too. (Saving such a model with safetensors
     needs a clone first: its parameters now share storage.)
     """
-    key = f"_specd_fused_{attr}"
+    key = f"{FUSED_PREFIX}{attr}"
     fused = owner.__dict__.get(key)
     if fused is None:
         fused = torch.cat([getattr(m, attr).detach() for m in linears], 0).contiguous()
@@ -517,7 +684,42 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def _rms_norm_fp32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, weight = the fp32 (1 + w) of `_fold_one`: normalise and scale in fp32, then
+    cast back (HF Gemma2RMSNorm: (x * w).to(dtype), where Llama's is x.to(dtype) * w)."""
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+
+
+def _as_is(w: torch.Tensor) -> torch.Tensor:
+    return w.detach()
+
+
+def _fold_one(w: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm scales by (1 + w), computed in fp32: that sum, once, as an fp32 copy."""
+    return 1.0 + w.detach().float()
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, cap: float) -> torch.Tensor:
+    """Gemma2's eager attention, which SDPA cannot do: softmax(cap * tanh(q k^T * scale / cap)) v.
+    q [B, H, T, D]; k, v [B, Hkv, S, D] (query head h reads key head h // (H / Hkv), grouped here
+    rather than by copying K and V per query head); mask bool [B, 1, T, S] or None. Returns
+    [B, H, T, D]."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    s = torch.matmul(q.reshape(B, Hkv, H // Hkv * T, D), k.transpose(2, 3)) * scale  # [B, Hkv, rep * T, S]
+    s = (torch.tanh(s / cap) * cap).view(B, Hkv, H // Hkv, T, S)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, :, None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(B, Hkv, H // Hkv * T, S)
+    return torch.matmul(p, v).view(B, H, T, D)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, D]; cos/sin [B, T, 1, D]. x*cos + rotate_half(x)*sin."""
+    """x [B, T, heads, D]; cos/sin [B, T, 1, R]. x*cos + rotate_half(x)*sin over the first R dims
+    (R < D: Phi3's partial rotary); the rest pass through."""
+    r = cos.shape[-1]
+    if r != x.shape[-1]:
+        return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin

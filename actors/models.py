@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 EMBEDDED = "smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -167,6 +168,16 @@ def resolve_model_path(spec: str, files: list[str] = HUB_FILES) -> Path:
                                 "HF_TOKEN with access to it") from e
 
 
+def model_name(spec: str) -> str:
+    """The name `load_model` gives a spec's model (`LoadedModel.name`: what shipped drafts and
+    calibrations are keyed by), without loading it."""
+    if spec == EMBEDDED:
+        return EMBEDDED_NAME
+    if spec.startswith("tiny") or is_hub_id(spec):
+        return spec.partition("@")[0]
+    return Path(spec).expanduser().name
+
+
 def default_served_name(spec: str) -> str:
     """The name a model is served under unless configured otherwise: a hub id without its revision,
     a directory's name, else the spec ("smollm2", "tiny")."""
@@ -220,13 +231,12 @@ def load_model(spec: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"
     device = resolve_device(device)
     if spec == EMBEDDED:
         path = ensure_embedded()
-        name = "SmolLM2-135M-Instruct"
     elif spec.startswith("tiny"):
         seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
         return LoadedModel(build_tiny(seed, dt).to(device), None, spec)
     else:
         path = resolve_model_path(spec)
-        name = spec.partition("@")[0] if is_hub_id(spec) else path.name
+    name = model_name(spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device).eval()
     return LoadedModel(model, _tokenizer(path), name)
 

@@ -5,7 +5,8 @@ actors/distill.py; this is the command around it).
   specd distill --kind eagle --objective fkl --steps 300 --out out/drafts/eagle    the single-layer head
   specd distill --kind truncated:4 --head-vocab 8192 --objective ntp ...
   specd distill --kind eagle --domain code ...          a domain draft (code prompts only)
-  specd distill --data my.jsonl ...                     a user's prompts ("prompt"/"messages") or texts ("text")
+  specd distill --data my.jsonl ...                     a user's prompts ("prompt"/"messages"/"ids") or texts ("text")
+  specd distill --model path/to/qwen3 ...               any family the fast runner serves (llama, mistral, qwen2, qwen3)
 
 Writes the checkpoint (loadable with --draft PATH), report.json, report.txt and
 alpha.png (held-out acceptance per draft position, before and after) into --out.
@@ -24,7 +25,8 @@ def add_parser(sub) -> None:
     d = DistillConfig()
     p = sub.add_parser("distill", help="train a draft model from the target (KL / NTP distillation)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
+    p.add_argument("--model", default="smollm2",
+                   help="target: 'smollm2' (embedded), 'tiny', or a HF model dir of any family the runner serves")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype (as served)")
     p.add_argument("--kind", default=d.kind, help=f"draft kind: {' | '.join(KINDS)}")
     p.add_argument("--objective", default=d.objective, choices=OBJECTIVES,

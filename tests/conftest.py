@@ -62,7 +62,7 @@ def hf_greedy():
     memo: dict = {}
 
     def run(model, prompt_ids, n, eos="config"):
-        key = (id(model), tuple(prompt_ids), n, eos)
+        key = (model, tuple(prompt_ids), n, eos)  # the model itself: a freed model's id may be reused
         if key not in memo:
             ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
             pad = model.config.pad_token_id

@@ -19,15 +19,23 @@ passes them with the rollback information, `DraftSeq.hidden`), so the head's
 KV for a position fed with a predicted feature is always recomputed from the
 real one on the next call, even when the draft was accepted.
 
+The head's decoder layer is a one-layer model of the target's own family where its last
+layer maps onto it exactly (llama and mistral: a llama layer; qwen2: q/k/v bias; qwen3:
+per-head q/k RMSNorm), so `init="last"` starts it as that layer. For any other family the
+fast runner serves, the head is a llama layer started at random (one logged line).
+
 Owns: the head module (training forward with training-time test, checkpoint
-save/load) and `EagleDrafter`. Does not know: how the head is trained
-(`actors/distill.py`) or acceptance.
+save/load), `FeatureDrafter` (serving any head fed target features: the rollback and
+catch-up bookkeeping) and `EagleDrafter` (serving this head). Does not know: how the head
+is trained (`actors/distill.py`), published heads' formats (`eagle_formats.py`) or acceptance.
 
 Shapes: B rows, L positions, E hidden size, R head vocabulary, k drafting steps.
 """
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -41,6 +49,13 @@ from .model import ModelDrafter
 
 HEAD_FILE = "head.safetensors"
 META_FILE = "specd_draft.json"
+log = logging.getLogger("specd")
+
+# Target families whose last decoder layer the head's layer can start as, exactly: llama's own
+# layer serves llama and mistral; qwen2 (q/k/v bias) and qwen3 (per-head q/k RMSNorm) get a
+# one-layer model of their own family, whose math `EagleHead.unroll` covers too.
+LLAMA_LAYER_FAMILIES = {"llama", "mistral"}
+OWN_SHELL_FAMILIES = {"qwen2", "qwen3"}
 
 
 def _shell_config(target_config, head_vocab: int):
@@ -54,24 +69,47 @@ def _shell_config(target_config, head_vocab: int):
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-        rope_parameters=getattr(c, "rope_parameters", None) or {"rope_type": "default",
-                                                                 "rope_theta": getattr(c, "rope_theta", 10000.0)},
-        tie_word_embeddings=True, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        rope_parameters=_plain_rope(c), tie_word_embeddings=True, hidden_act="silu", attention_bias=False,
+        mlp_bias=False)
+
+
+def _plain_rope(c) -> dict:
+    """The target's RoPE parameters for a llama layer: a family with RoPE per layer type gives its
+    full-attention layers' parameters, and the head rotates whole heads (no partial_rotary_factor)."""
+    rope = getattr(c, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_type" not in rope and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    rope = rope or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
+    return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+
+
+def _shell(target_hf, head_vocab: int) -> tuple[nn.Module, bool]:
+    """The head's one-layer Hugging Face model, and whether the target's last layer maps onto its
+    layer exactly (see LLAMA_LAYER_FAMILIES, OWN_SHELL_FAMILIES)."""
+    from transformers import LlamaForCausalLM
+
+    c = target_hf.config
+    family = getattr(c, "model_type", None)
+    if family not in OWN_SHELL_FAMILIES:
+        return LlamaForCausalLM(_shell_config(c, head_vocab)), family in LLAMA_LAYER_FAMILIES
+    cfg = copy.deepcopy(c)
+    cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings = 1, head_vocab, True
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[-1:]
+    return type(target_hf)(cfg), True
 
 
 class EagleHead(nn.Module):
     """fc + one decoder layer + norm; the LM head rows and the embedding come from the target.
 
-    The decoder layer lives in a one-layer Hugging Face llama ("shell") so the fast runner
-    can serve it unchanged; training runs its own forward over the same weights.
+    The decoder layer lives in a one-layer Hugging Face model ("shell", see `_shell`) so the fast
+    runner can serve it unchanged; training runs its own forward over the same weights.
     """
 
     def __init__(self, target_hf, vocab_map: torch.Tensor, init: str = "last", features: tuple[int, ...] = (-1,)):
         super().__init__()
-        from transformers import LlamaForCausalLM
-
         cfg = target_hf.config
-        self.shell = LlamaForCausalLM(_shell_config(cfg, len(vocab_map)))
+        self.shell, maps = _shell(target_hf, len(vocab_map))
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.features = tuple(int(i) for i in features)
         if not self.features or any(i < -1 or i >= cfg.num_hidden_layers for i in self.features):
@@ -92,15 +130,24 @@ class EagleHead(nn.Module):
         tgt = target_hf.model
         if init not in ("last", "random"):
             raise ValueError(f"init must be 'last' or 'random', got {init!r}")
+        src, dst = tgt.layers[-1].state_dict(), self.shell.model.layers[0].state_dict()
+        # e.g. a llama with attention bias maps onto no shell here: never a partial copy
+        maps = maps and src.keys() == dst.keys() and all(src[k].shape == dst[k].shape for k in src)
+        if init == "last" and not maps:
+            log.warning("eagle head: the last layer of a %r target does not map onto the head's layer; "
+                        "starting it at random (as --eagle-init random)", getattr(cfg, "model_type", "?"))
+            init = "random"
         with torch.no_grad():
             if init == "random":  # the HF initialisation of the layer; fc: a small mix of both inputs
                 E = cfg.hidden_size
                 self.fc.weight.normal_(0.0, 1.0 / math.sqrt(2 * E))
             # Start from the target's last layer and final norm: a head that begins as "one
-            # more target layer" learns far faster than a random one.
-            self.shell.model.norm.weight.copy_(tgt.norm.weight)
+            # more target layer" learns far faster than a random one. (A family whose layer does
+            # not map may scale its norm otherwise, e.g. Gemma's 1 + w: the norm then starts at 1.)
+            if maps:
+                self.shell.model.norm.weight.copy_(tgt.norm.weight)
             if init == "last":
-                self.shell.model.layers[0].load_state_dict(tgt.layers[-1].state_dict())
+                self.shell.model.layers[0].load_state_dict(src)
                 # fc starts as "take the token embedding" + a little of the feature.
                 E = cfg.hidden_size
                 self.fc.weight.zero_()
@@ -152,7 +199,7 @@ class EagleHead(nn.Module):
 
         t = load_file(str(Path(path) / HEAD_FILE))
         saved = tuple(json.loads((Path(path) / META_FILE).read_text()).get("feature_layers", [-1]))
-        head = cls(target_hf, t.pop("vocab_map"), features=features or saved)
+        head = cls(target_hf, t.pop("vocab_map"), init="random", features=features or saved)  # all overwritten
         dt = next(target_hf.parameters()).dtype
         with torch.no_grad():
             if "fuse.weight" in t:
@@ -209,6 +256,8 @@ class EagleHead(nn.Module):
             q = at.q_proj(h).view(B, L, H, D)
             k = at.k_proj(h).view(B, L, Hkv, D)
             v = at.v_proj(h).view(B, L, Hkv, D)
+            if getattr(at, "q_norm", None) is not None:  # Qwen3: each head RMS-normalised before RoPE
+                q, k = at.q_norm(q), at.k_norm(k)
             cos, sin = self._rope(pos + (j - 1), dt)
             cos, sin = cos[None, :, None], sin[None, :, None]
             q, k = self._rot(q, cos, sin), self._rot(k, cos, sin)
@@ -249,37 +298,56 @@ def fuse_features(hidden: torch.Tensor, layers: tuple[int, ...], weight: torch.T
     return linear(torch.cat(parts, -1), weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype))
 
 
-class EagleDrafter(ModelDrafter):
-    """Serves an `EagleHead`: fed with target hidden states, rolls back to the last position
-    whose input was a real feature, catches up, then drafts from its own features."""
+class FeatureDrafter(ModelDrafter):
+    """A draft head fed target features: keeps each sequence's features of committed tokens, rolls
+    its KV back to the last position whose input was a real feature, catches up, then drafts from
+    its own outputs. A subclass says what the head reads:
 
-    def __init__(self, head: EagleHead, name: str, max_batch: int = 8, max_len: int = 2048):
-        head = head.eval()
-        runner = LlamaRunner(head.shell)
-        super().__init__(runner, name, max_batch=max_batch, max_len=max_len,
-                         vocab_map=head.vocab_map, vocab_size=head.embed.shape[0])
-        self.feature_layers = head.features
-        self.fuse = None if head.fuse is None else head.fuse.weight.detach().to(runner.dtype)  # [E, F E]
-        self.eps = head.eps
-        self.fc = head.fc.weight.detach().to(runner.dtype)  # [E, 2E]
-        self.embed = head.embed  # the target's embedding [V, E]
-        E = runner.hidden_size
-        # Target features of committed tokens, per slot; real[seq]: head KV positions that were
-        # computed from real features (the rest were fed drafted features and are recomputed).
-        self.feat = torch.zeros(max_batch, max_len + KV_HEADROOM, E, dtype=runner.dtype, device=runner.device)
+      fused(hidden)       the target features [n, F * E_t] (layers `feature_layers`) as the feature
+                          [n, E] the head pairs with a token
+      _inputs(tok, prev)  the runner's input vectors for tokens paired with features (the target's
+                          h_{p-1} for a committed token x_p, the head's own output for a draft)
+      offset              where the pair (x_p, h_{p-1}) sits in the head's KV cache: at position p
+                          (0: specd's head, which feeds x_0 with a zero feature) or at p - 1 (1:
+                          the published EAGLE heads: x_0 is never fed, as in vLLM and SGLang)
+
+    The runner's forward output is what is fed back as the next draft's feature, and
+    `runner.logits` turns it into the draft distribution. Weights the head runs outside its
+    runner are attributes `fc` and `fuse` (or None), which `quant.quantize_drafter` quantizes.
+    """
+
+    offset = 0
+    fc: torch.Tensor | None = None
+    fuse: torch.Tensor | None = None
+
+    def __init__(self, runner: LlamaRunner, name: str, max_batch: int, max_len: int,
+                 vocab_map: torch.Tensor | None, vocab_size: int, feature_layers: tuple[int, ...]):
+        super().__init__(runner, name, max_batch=max_batch, max_len=max_len, vocab_map=vocab_map,
+                         vocab_size=vocab_size)
+        self.feature_layers = tuple(feature_layers)
+        # Features of committed tokens, per slot; real[seq]: head KV positions that were computed
+        # from real features (the rest were fed drafted features and are recomputed).
+        self.feat = torch.zeros(max_batch, max_len + KV_HEADROOM, runner.hidden_size, dtype=runner.dtype,
+                                device=runner.device)
         self.feat_len: dict[int, int] = {}
         self.real: dict[int, int] = {}
 
+    def fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _inputs(self, tok: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """fc([embed(tok), prev]): tok [...], prev [..., E] -> [..., E]."""
-        return linear(torch.cat([F.embedding(tok, self.embed).to(self.fc.dtype), prev.to(self.fc.dtype)], -1),
-                      self.fc)
+        raise NotImplementedError
+
+    def _own_linears(self) -> list:
+        """(weight, bias) pairs the head runs outside its runner (for `warm`)."""
+        return []
 
     def _sync(self, seqs: list[DraftSeq], slots: list[int]) -> torch.Tensor:
-        B = len(seqs)
+        B, o = len(seqs), self.offset
         dev = self.runner.device
-        last = torch.empty(B, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
-        jobs = []  # (row, slot, first position to feed, view)
+        # A row with no pair to feed (offset 1, a one-token view) drafts from a zero feature.
+        last = torch.zeros(B, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
+        jobs = []  # (row, slot, first KV position to feed, view)
         for b, (s, slot) in enumerate(zip(seqs, slots)):
             view = apply_view(self.views[s.seq_id], s.keep, s.new_tokens)
             n = len(view) - 1  # the last committed token: its feature is not known yet
@@ -288,50 +356,83 @@ class EagleDrafter(ModelDrafter):
                 if s.hidden_start > have:
                     raise ValueError(f"sequence {s.seq_id}: hidden states start at {s.hidden_start}, "
                                      f"the draft holds only {have}")
-                h = fuse_features(s.hidden.to(self.feat.device, self.feat.dtype), self.feature_layers, self.fuse,
-                                  self.eps)
-                self.feat[slot, s.hidden_start:s.hidden_start + len(s.hidden)] = h
+                self.feat[slot, s.hidden_start:s.hidden_start + len(s.hidden)] = \
+                    self.fused(s.hidden.to(self.feat.device, self.feat.dtype))
                 have = self.feat_len[s.seq_id] = s.hidden_start + len(s.hidden)
             if have < n:
                 raise ValueError(f"draft {self.name!r} needs the target's hidden states for the first {n} "
                                  f"tokens of sequence {s.seq_id}, has {have} (the verifier must pass "
                                  "DraftSeq.hidden)")
-            real = min(self.real.get(s.seq_id, 0), s.keep, n + 1, self.cache.lengths[slot])
+            # KV position q holds the pair (view[q + o], h_{q + o - 1}): still valid while that token
+            # is (q + o < keep) and its feature was a real one (q < real).
+            real = max(0, min(self.real.get(s.seq_id, 0), s.keep - o, n + 1 - o, self.cache.lengths[slot]))
             self.cache.truncate(slot, real)
-            jobs.append((b, slot, real, view))
-        # Feed positions real..n of each row: inputs fc([embed(x_p), h_{p-1}]).
-        short = [j for j in jobs if len(j[3]) - j[2] <= KV_HEADROOM]
+            self.real[s.seq_id] = max(real, n + 1 - o)
+            if n + 1 - o > real:
+                jobs.append((b, slot, real, view))
+        # Feed KV positions real..n-o of each row: the pairs (x_p, h_{p-1}), p = q + o.
+        short = [j for j in jobs if len(j[3]) - o - j[2] <= KV_HEADROOM]
         groups = ([sorted(short, key=lambda j: j[1])] if short else []) + \
-            [[j] for j in jobs if len(j[3]) - j[2] > KV_HEADROOM]
+            [[j] for j in jobs if len(j[3]) - o - j[2] > KV_HEADROOM]
         for grp in groups:
-            num = [len(view) - real for _, _, real, view in grp]
-            W = max(num)
-            emb_in = torch.zeros(len(grp), W, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
+            num = [len(view) - o - real for _, _, real, view in grp]
+            emb_in = None
             for i, (b, slot, real, view) in enumerate(grp):
-                toks = torch.tensor(view[real:], dtype=torch.long, device=dev)
+                p0 = real + o  # the first token fed
+                toks = torch.tensor(view[p0:], dtype=torch.long, device=dev)
                 prev = torch.zeros(len(toks), self.runner.hidden_size, dtype=self.feat.dtype, device=dev)
-                lo = max(real - 1, 0)
-                prev[lo - (real - 1):] = self.feat[slot, lo:len(view) - 1]  # h_{p-1}; zeros for p = 0
-                emb_in[i, :num[i]] = self._inputs(toks, prev)
+                lo = max(p0 - 1, 0)
+                prev[lo - (p0 - 1):] = self.feat[slot, lo:len(view) - 1]  # h_{p-1}; zeros for p = 0
+                x = self._inputs(toks, prev)  # [num, E_in]
+                if emb_in is None:
+                    emb_in = torch.zeros(len(grp), max(num), x.shape[-1], dtype=self.runner.dtype, device=dev)
+                emb_in[i, :num[i]] = x
             hidden = self.runner.forward(self.cache, [g[1] for g in grp], None, num, embeds=emb_in)
             for i, (b, slot, real, view) in enumerate(grp):
                 last[b] = hidden[i, num[i] - 1]
-                self.real[seqs[b].seq_id] = len(view)
         return last
 
     def _tree_inputs(self, tok: torch.Tensor, parent_feat: torch.Tensor) -> dict:
-        """A feature head reads fc([embed(token), its parent's feature]) for each tree node."""
+        """A feature head reads each tree node paired with its parent's feature."""
         return {"tokens": None, "embeds": self._inputs(tok, parent_feat)}
 
     def _advance(self, slots: list[int], tok: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return self.runner.forward(self.cache, slots, None, embeds=self._inputs(tok, last)[:, None])[:, 0]
 
     def warm(self) -> int:
-        own = [(self.fc, None)] + ([(self.fuse, None)] if self.fuse is not None else [])
-        return super().warm() + warm_linears(own)
+        return super().warm() + warm_linears(self._own_linears())
+
+    def set_view(self, seq_id: int, tokens: list[int], kv_valid: int) -> None:
+        """As `ModelDrafter.set_view`: the KV that holds tokens[:kv_valid] is its first kv_valid - offset
+        positions."""
+        super().set_view(seq_id, tokens, max(0, kv_valid - self.offset))
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self.feat_len.pop(seq_id, None)
         self.real.pop(seq_id, None)
 
+
+class EagleDrafter(FeatureDrafter):
+    """Serves an `EagleHead`: the pair (x_p, h_{p-1}) is fc([embed(x_p), h_{p-1}]) at KV position p
+    (x_0 with a zero feature), and the head's post-norm output is fed back."""
+
+    def __init__(self, head: EagleHead, name: str, max_batch: int = 8, max_len: int = 2048):
+        head = head.eval()
+        runner = LlamaRunner(head.shell)
+        super().__init__(runner, name, max_batch, max_len, head.vocab_map, head.embed.shape[0], head.features)
+        self.fuse = None if head.fuse is None else head.fuse.weight.detach().to(runner.dtype)  # [E, F E]
+        self.eps = head.eps
+        self.fc = head.fc.weight.detach().to(runner.dtype)  # [E, 2E]
+        self.embed = head.embed  # the target's embedding [V, E]
+
+    def fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        return fuse_features(hidden, self.feature_layers, self.fuse, self.eps)
+
+    def _inputs(self, tok: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """fc([embed(tok), prev]): tok [...], prev [..., E] -> [..., E]."""
+        return linear(torch.cat([F.embedding(tok, self.embed).to(self.fc.dtype), prev.to(self.fc.dtype)], -1),
+                      self.fc)
+
+    def _own_linears(self) -> list:
+        return [(self.fc, None)] + ([(self.fuse, None)] if self.fuse is not None else [])

@@ -2,7 +2,11 @@
 
 What a user relies on: training makes a draft better than its untrained start; a trained
 draft saved to disk loads with --draft PATH and never changes greedy output; a draft from
-another vocabulary is refused; the served head computes exactly what training scored.
+another vocabulary is refused; the served head computes exactly what training scored. And for
+any family the runner serves: the head starts as the target's last layer where it maps exactly
+(Qwen2's biases and Qwen3's q/k norms kept), else at random with a logged line; `specd distill
+--model DIR` on a Qwen3 directory serves losslessly; a separate Qwen3 draft model drafts for a
+Qwen3 target.
 """
 from __future__ import annotations
 
@@ -193,3 +197,137 @@ def test_draft_for_another_vocabulary_is_refused(target, tmp_path):
     other = LoadedModel(build_tiny(2, vocab_size=640), None, "tiny-640")
     with pytest.raises(ValueError, match="tokenizer"):
         load_distilled(str(tmp_path / "h"), other, 2, 100)
+
+
+# ---- any family the runner serves ----------------------------------------------------------------------
+def _family(model_type: str, **kw):
+    """A tiny random model of a family (its own transformers classes), weights scaled so greedy
+    choices are not near-ties; Qwen2's q/k/v biases nonzero."""
+    import transformers as T
+
+    cfg_cls, model_cls = {"qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+                          "mistral": (T.MistralConfig, T.MistralForCausalLM),
+                          "llama": (T.LlamaConfig, T.LlamaForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
+                          "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}[model_type]
+    torch.manual_seed(kw.pop("seed", 0))
+    cfg = {**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, tie_word_embeddings=False), **kw}
+    model = model_cls(cfg_cls(**{k: v for k, v in cfg.items() if v is not None}))  # None: the family's default
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.05)
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_head_of_each_family_starts_as_its_last_layer_and_serves_what_it_trains(family):
+    """The head's layer is a one-layer model the target's last layer maps onto exactly (Qwen2's
+    q/k/v biases, Qwen3's q/k norms included: nothing dropped), and the served head (fast runner,
+    KV cache) drafts what the training unroll scores."""
+    model = _family(family, **({"sliding_window": None} if family == "mistral" else {}))
+    head = EagleHead(model, torch.arange(256), features=(1, 2, -1))
+    src, dst = model.model.layers[-1].state_dict(), head.shell.model.layers[0].state_dict()
+    assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    head.eval()
+    prefix = torch.randint(3, 256, (1, 12), generator=g)
+    hid = context_features(LlamaRunner(model), prefix[0].tolist() + [0], head.features)  # [12, F E]
+    drafts = EagleDrafter(head, "e", max_batch=1, max_len=64).propose(
+        [DraftSeq(seq_id=0, keep=0, new_tokens=prefix[0].tolist(), gamma=4, hidden=hid[:-1])]).tokens[0].tolist()
+    with torch.no_grad():
+        feats = head.unroll(torch.cat([prefix, torch.tensor([drafts])], 1), torch.cat([hid, hid[:4] * 0])[None], 4)
+    assert [int(head.logits(f[0, 11]).argmax()) for f in feats] == drafts
+
+
+def test_a_family_whose_last_layer_does_not_map_starts_the_head_at_random(caplog):
+    """Gemma 3's layer (1 + w and sandwich norms, GELU, RoPE per layer type), Phi-3's (fused
+    qkv_proj, partial rotary) and a llama with attention bias do not map onto the head's llama
+    layer: the head starts at random, with one logged line, trains, and serves what it trains."""
+    for model in (_family("gemma3_text", hidden_activation="gelu_pytorch_tanh"),
+                  _family("phi3", head_dim=None, partial_rotary_factor=0.5), _family("llama", attention_bias=True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specd"):
+            head = EagleHead(model, torch.arange(256))
+        assert "starting it at random" in caplog.text, model.config.model_type
+        assert head.shell.config.model_type == "llama"
+        down = head.shell.model.layers[0].mlp.down_proj.weight
+        assert not torch.equal(down, model.model.layers[-1].mlp.down_proj.weight)
+        tokens, hidden = torch.randint(3, 256, (1, 8)), torch.randn(1, 8, 64)
+        feats = head.unroll(tokens, hidden, 2)
+        sum(f.sum() for f in feats).backward()  # trainable
+        head.eval()
+        drafts = EagleDrafter(head, "e", max_batch=1, max_len=32).propose(
+            [DraftSeq(seq_id=0, keep=0, new_tokens=tokens[0, :5].tolist(), gamma=2, hidden=hidden[0, :4])]).tokens
+        with torch.no_grad():
+            feats = head.unroll(torch.cat([tokens[:, :5], drafts], 1), hidden[:, :7], 2)
+        assert [int(head.logits(f[0, 4]).argmax()) for f in feats] == drafts[0].tolist()
+
+
+def _qwen3_dir(path, seed=0, **kw):
+    m = _family("qwen3", seed=seed, **kw)
+    m.save_pretrained(path)
+    return str(path)
+
+
+def test_specd_distill_on_a_qwen3_target_serves_losslessly(tmp_path, monkeypatch):
+    """`specd distill --model DIR` on a Qwen3 directory (q/k norms, no tokenizer: "ids" rows): a
+    few steps, then the checkpoint loads with --draft PATH (a Qwen3-shaped head) and greedy output
+    with it is the target's own."""
+    from specd.cli import main
+
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))
+    model_dir = _qwen3_dir(tmp_path / "qwen3")
+    rng = random.Random(0)
+    for name, n in (("data", 8), ("held", 2)):
+        rows = [{"ids": [rng.randrange(3, 256) for _ in range(6)]} for _ in range(n)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "head"
+    assert main(["distill", "--model", model_dir, "--dtype", "fp32", "--kind", "eagle3", "--steps", "3",
+                 "--batch", "4", "--max-new", "12", "--samples", "0", "--head-vocab", "0", "--data",
+                 str(tmp_path / "data.jsonl"), "--heldout", str(tmp_path / "held.jsonl"), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps_run"] == 3
+    target = load_model(model_dir)
+    drafter = make_drafter(str(out), target, 4, 128)
+    assert isinstance(drafter, EagleDrafter) and drafter.runner.layers[0].q_norm is not None
+    prompts = [[5, 9, 33, 2 + i, 100 + i] for i in range(3)]
+    outs = {}
+    for draft in (None, "d"):
+        eng = SpecEngine(LlamaRunner(target.model), {"d": drafter}, max_batch=4, max_len=128)
+        res = run(eng, [request(f"r{i}", p, draft, 3, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)])
+        outs[draft] = [res[f"r{i}"].token_ids for i in range(3)]
+        if draft:
+            assert sum(res[f"r{i}"].stats.draft_tokens for i in range(3)) > 0
+    assert outs["d"] == outs[None]
+
+
+def test_a_qwen3_draft_model_drafts_for_a_qwen3_target(tmp_path):
+    """A separate Qwen3 causal LM sharing the vocabulary, through --draft PATH: greedy output stays
+    the target's own, and drafts are proposed (and some accepted: the draft is the target with
+    its last layers perturbed)."""
+    target_dir = _qwen3_dir(tmp_path / "target", seed=0)
+    draft = _family("qwen3", seed=0)
+    with torch.no_grad():
+        for p in draft.model.layers[-1].parameters():
+            p.add_(0.02 * torch.randn(p.shape))
+    draft.save_pretrained(tmp_path / "draft")
+    target = load_model(target_dir)
+    drafter = make_drafter(str(tmp_path / "draft"), target, 4, 128)
+    assert drafter.runner.layers[0].q_norm is not None and drafter.feature_layers == ()
+    prompts = [[5, 9, 33, 2 + i, 100 + i] for i in range(3)]
+    outs, accepted = {}, 0
+    for d in (None, "d"):
+        eng = SpecEngine(LlamaRunner(target.model), {"d": drafter}, max_batch=4, max_len=128)
+        res = run(eng, [request(f"r{i}", p, d, 4, max_tokens=24, ignore_eos=True) for i, p in enumerate(prompts)])
+        outs[d] = [res[f"r{i}"].token_ids for i in range(3)]
+        accepted += sum(res[f"r{i}"].stats.accepted_tokens for i in range(3))
+    assert outs["d"] == outs[None]
+    assert accepted > 0

@@ -76,3 +76,22 @@ def test_serve_flags_without_a_config(tmp_path):
     over = cfg_of("--config", str(LOCAL_CONFIG), "--model", str(tmp_path), "--draft", "ngram")
     assert over.model == str(tmp_path) and drafts(over) == [("ngram", "ngram", "colocated", "auto")]
     assert over.verifier.max_batch == shipped.verifier.max_batch  # the rest of the file stays
+
+
+def test_default_resolves_per_target_everywhere(tmp_path):
+    """'default' is the head shipped for SmolLM2 beside it, and n-gram beside any other target:
+    in what ListModels reports and in the features a remote draft is handed, as in what loads."""
+    from actors.build import draft_kind, spec_feature_layers
+    from actors.models import model_name
+    from cluster.router import Router
+    from helpers import save_tiny_qwen3
+
+    assert draft_kind("default", model_name("smollm2")) == "eagle"
+    assert spec_feature_layers("default", model_name("smollm2"))  # the shipped head's layers
+    save_tiny_qwen3(tmp_path / "mine", tokenizer=False)
+    other = model_name(str(tmp_path / "mine"))
+    assert other == "mine" and draft_kind("default", other) == "ngram" and spec_feature_layers("default", other) == ()
+    cfg = {"model": str(tmp_path / "mine"), "drafts": [{"name": "eagle", "spec": "default"}],
+           "router": {"default_draft": "eagle"}}
+    kinds = {d["name"]: d["kind"] for d in Router(cfg, verifier=None).models()["drafts"]}
+    assert kinds == {"none": "none", "eagle": "ngram"}

@@ -1,0 +1,77 @@
+"""Sampling through the fast runner keeps each family's target distribution.
+
+For every family the runner serves, a vocabulary-8 tiny model of that family (its own
+`transformers` classes, as in test_families.py) samples 2000 seeded requests at temperature 1
+with speculation on (a truncated self-draft, γ = 3), and the joint law of the first two tokens
+and the marginals of the third and fourth match the target's exact ancestral-sampling law,
+computed from the HF forward: the machinery and thresholds of test_engine.py's
+`test_sampled_distribution_equals_target` (see there: each Pearson p-value > 1e-3). The
+families' distinguishing features sit inside these 8 positions: windows of 4 tokens, Gemma's
+logits soft-capped at 1.5 (a cap greedy decoding cannot see; these
+models' logits reach it), scaled rope. A runner that drops
+Gemma2's final soft-capping fails the same check."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from actors.llama import LlamaRunner, linear
+from actors.models import LoadedModel
+from test_engine import DIST_PROMPT, N_DIST, P_MIN, V_SMALL, law_pvalues, sample_first_tokens
+from test_families import GEMMA, LLAMA3, family, rope
+
+SW = 4  # windows: shorter than the 4-token prompt plus the 4 sampled tokens
+CASES = {
+    "llama3.1": ("llama", {"rope_parameters": LLAMA3}),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": SW, "max_window_layers": 2}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    "mistral": ("mistral", {"sliding_window": SW}),
+    "phi3": ("phi3", {"sliding_window": SW, "rope_parameters": rope(partial_rotary_factor=0.5)}),
+    "gemma2": ("gemma2", {**GEMMA, "sliding_window": SW, "attn_logit_softcapping": 0.5,
+                          "final_logit_softcapping": 1.5}),
+    "gemma3": ("gemma3_text", {**GEMMA, "sliding_window": SW, "final_logit_softcapping": 1.5,
+                               "layer_types": ["sliding_attention", "full_attention"] * 2}),
+}
+
+
+def exact_law_of(model) -> torch.Tensor:
+    """The exact joint law [V, V, V, V] of the first 4 tokens after DIST_PROMPT at temperature 1, from
+    the HF forward (test_engine's `exact_law`, for any model)."""
+    V = V_SMALL
+    prefixes = torch.tensor(list(itertools.product(range(V), repeat=3)))  # [V^3, 3]
+    ids = torch.cat([torch.tensor(DIST_PROMPT).expand(len(prefixes), -1), prefixes], 1)
+    with torch.inference_mode():
+        logp = model(ids).logits.double().log_softmax(-1)[:, len(DIST_PROMPT) - 1:]  # [V^3, 4, V]
+    lp1 = logp[0, 0]
+    lp2 = logp[:, 1].view(V, V, V, V)[:, 0, 0]
+    lp3 = logp[:, 2].view(V, V, V, V)[:, :, 0]
+    lp4 = logp[:, 3].view(V, V, V, V)
+    joint = (lp1[:, None, None, None] + lp2[:, :, None, None] + lp3[:, :, :, None] + lp4).exp()
+    assert abs(float(joint.sum()) - 1) < 1e-9
+    return joint
+
+
+def small(name: str) -> LoadedModel:
+    model_type, kw = CASES[name]
+    return LoadedModel(family(model_type, **{**kw, "vocab_size": V_SMALL}), None, f"{name}-v8")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_family_sampling_keeps_the_target_law(name):
+    target = small(name)
+    toks, stats = sample_first_tokens(target, target, "self", 3, seed0=20_000)
+    assert stats.draft_tokens > N_DIST // 2 and 0 < stats.accepted_tokens < stats.draft_tokens
+    p = law_pvalues(toks, exact_law_of(target.model))
+    assert min(p.values()) > P_MIN, p
+
+
+def test_gemma2_sampling_without_its_final_softcap_is_detected(monkeypatch):
+    """The check has the power to see a soft-cap greedy decoding cannot: a runner whose logits skip
+    it drives a p-value below 1e-9."""
+    monkeypatch.setattr(LlamaRunner, "logits", lambda self, h: linear(h, self.lm_head))
+    target = small("gemma2")
+    toks, _ = sample_first_tokens(target, target, "self", 3, seed0=20_000)
+    p = law_pvalues(toks, exact_law_of(target.model))
+    assert min(p.values()) < 1e-9, p
