@@ -21,7 +21,7 @@ from actors.drafters.base import DraftSeq
 from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
 from .draft_server import DraftServer
 from .metrics import DraftMetrics
-from .router import Router
+from .grpc_api import RouterDeployment
 from .serve import node_id, replica_id, start_heap_trim
 from .verifier import VerifierServer
 
@@ -95,9 +95,9 @@ def build_app(cfg: ClusterConfig):
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls
                    request_router_config=RequestRouterConfig(request_router_class="cluster.routing.PinnedRouter"))
     ).bind(raw, drafts)
-    # Serve's late-bound ingress: the replica builds its FastAPI app (Router.__serve_build_asgi_app__)
+    # Serve's late-bound ingress: the replica builds its FastAPI app (RouterDeployment.__serve_build_asgi_app__)
     # once constructed; gRPC calls still reach the RPC methods by name.
-    router = serve.deployment(serve.ingress()(Router)).options(
+    router = serve.deployment(serve.ingress()(RouterDeployment)).options(
         **_options(cfg.router, "Router", max_ongoing_requests=cfg.router.max_queue * 2)
     ).bind(raw, verifier, drafts)
     return router

@@ -169,6 +169,10 @@ class RouterConfig(DeploymentSpec):
                                "engine picks per request among the drafts)")
     default_threshold: float = Field(0.0, ge=0, le=1, description="confidence threshold τ when a request sets "
                                      "none: drafting stops below it (0: never)")
+    request_timeout_s: float | None = Field(None, gt=0, description="seconds a request may run when its caller "
+                                            "gives no deadline (gRPC's deadline, HTTP's X-Request-Timeout "
+                                            "header); past it the stream ends with DEADLINE_EXCEEDED (HTTP 504); "
+                                            "unset: no limit")
 
 
 class AuthConfig(_Strict):

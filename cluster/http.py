@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
 A FastAPI app over one `Router` replica, which Serve mounts as that deployment's ingress
-(`Router.__serve_build_asgi_app__`), so the HTTP proxy reaches it under the app's
-`route_prefix` (`http://HOST:PORT/specd/v1/...` by default). A request body becomes the same
-`GenerateRequest` an SDK call builds (`specd_client.build_request`) and goes through the
-router's own streaming core: the same bearer-token check (header `Authorization: Bearer
-<token>`), validation, admission and coalescing as gRPC.
+(`RouterDeployment.__serve_build_asgi_app__`), so the HTTP proxy reaches it under the app's
+`route_prefix` (`http://HOST:PORT/specd/v1/...` by default). A request body becomes the router's
+`schema.Request` here (`_Body.request_args`) and streams through the transport-neutral core
+(`Router.generate`): the same bearer-token check (header `Authorization: Bearer <token>`),
+validation, admission and coalescing as gRPC. A request's deadline: the `X-Request-Timeout`
+header (seconds), else `router.request_timeout_s`. A client that disconnects mid-stream ends its
+stream: the router cancels the generation (unless coalesced callers remain), which frees its KV.
 
 Beside OpenAI's fields (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`; `n` must
 be 1) a body may carry specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
@@ -25,7 +27,8 @@ the message names the field and the limit, `param` the body field), 401 (bearer 
 incident id in the router's log). An error after a stream started arrives as a last event with
 that shape, before `data: [DONE]`.
 
-Does not know: tokenization, limits or admission (the router's), or gRPC.
+Does not know: tokenization, limits or admission (the router's), or gRPC (statuses are the
+router's `Status`).
 """
 from __future__ import annotations
 
@@ -34,29 +37,30 @@ import re
 import time
 from typing import Annotated, Literal
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.schema import MAX_GAMMA, MAX_SEED, Delta, SpecStats
-from specd_client import build_request
+from actors.schema import AUTO, MAX_GAMMA, MAX_SEED, Delta, SamplingParams, SpecStats, SpeculationParams
+
+from .router import Router, RouterError, Status
 
 INT32 = 2 ** 31 - 1
 Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
 TokenId = Annotated[int, Field(ge=0, le=2 ** 32 - 1)]
 
-# gRPC status -> HTTP status, OpenAI error type, OpenAI error code
+# the router's status -> HTTP status, OpenAI error type, OpenAI error code
 STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "not_ready"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+    Status.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    Status.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    Status.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Status.UNAVAILABLE: (503, "server_error", "not_ready"),
+    Status.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
 INTERNAL = (500, "server_error", None)
+TIMEOUT_HEADER = "x-request-timeout"  # seconds the request may run
 # the field a router message starts with (its path in the wire API: "sampling.max_tokens must be ...")
 _PARAM = re.compile(r"^(?:(?:sampling|speculation|token_ids)\.)?(\w+)")
 
@@ -90,16 +94,25 @@ class _Body(BaseModel):
     return_token_ids: bool = False  # vLLM's extension: each choice also carries the generated token ids
 
     def source(self) -> dict:
-        """The input, as `build_request` takes it."""
+        """The input, as `Router.request` takes it."""
         raise NotImplementedError
 
-    def generate_request(self):
-        """The GenerateRequest an SDK call with these fields builds."""
-        return build_request(**self.source(), max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                             top_k=self.top_k, seed=self.seed, stop=self.stop, num_beams=self.num_beams,
-                             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
-                             draft=self.draft, gamma=self.gamma, tree=self.tree, threshold=self.threshold,
-                             entropy_gate=self.entropy_gate, acceptance=self.acceptance, request_id=self.request_id)
+    def request_args(self) -> dict:
+        """`Router.request`'s keywords: the body's fields as the schema's parameters, unset ones
+        None (or the schema's neutral value) so that the router applies its defaults, as it does
+        for a GenerateRequest without them (`cluster.wire`)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        sampling = SamplingParams(
+            max_tokens=self.max_tokens, temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed, stop=stop,
+            num_beams=1 if self.num_beams is None else self.num_beams,
+            length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
+            early_stopping=bool(self.early_stopping))
+        speculation = SpeculationParams(
+            draft=self.draft or None, gamma=AUTO if self.gamma == "auto" else self.gamma, tree=self.tree,
+            threshold=self.threshold, entropy_gate=self.entropy_gate, acceptance=self.acceptance or "lossless")
+        return {"request_id": self.request_id or "", "sampling": sampling, "speculation": speculation,
+                **self.source()}
 
 
 class CompletionBody(_Body):
@@ -140,30 +153,11 @@ class ChatBody(_Body):
         return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
 
 
-class _Call:
-    """What the router's RPC code reads from, and sets on, a gRPC context: one HTTP request's."""
-
-    def __init__(self, request: Request):
-        auth = request.headers.get("authorization")
-        self.metadata = [("authorization", auth)] if auth is not None else []
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-
-    def invocation_metadata(self):
-        return self.metadata
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-
 _BODY_FIELDS = {*_Body.model_fields, "prompt", "messages"}
 
 
-def error_body(code: grpc.StatusCode | None, message: str, param: str | None = None) -> tuple[int, dict]:
-    """(HTTP status, OpenAI's error object) for a gRPC status and its details; a 400's `param`
+def error_body(code: Status | None, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error object) for a router status and its message; a 400's `param`
     is the body field the message starts with, unless given."""
     status, kind, err_code = STATUS.get(code, INTERNAL)
     if status == 400 and param is None:
@@ -173,9 +167,28 @@ def error_body(code: grpc.StatusCode | None, message: str, param: str | None = N
     return status, {"error": {"message": message, "type": kind, "param": param, "code": err_code}}
 
 
-def _error(code: grpc.StatusCode | None, message: str, param: str | None = None) -> JSONResponse:
+def _error(code: Status | None, message: str, param: str | None = None) -> JSONResponse:
     status, body = error_body(code, message, param)
     return JSONResponse(body, status_code=status)
+
+
+def _refusal(err: RouterError) -> JSONResponse:
+    return _error(err.status, err.message)
+
+
+def _timeout(request: Request) -> float | None:
+    """The X-Request-Timeout header's seconds (a malformed or non-positive value: 400)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise RouterError(Status.INVALID_ARGUMENT, f"header X-Request-Timeout must be a positive number of "
+                                                   f"seconds, got {raw!r}")
+    return value
 
 
 def spec_decode_metrics(st: SpecStats | None) -> dict:
@@ -194,7 +207,7 @@ def _final_fields(last: Delta) -> dict:
             "spec_decode_metrics": spec_decode_metrics(last.stats)}
 
 
-def build_http_app(router) -> FastAPI:
+def build_http_app(router: Router) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over `router` (a `cluster.router.Router`)."""
     app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
     model = router.cfg.served_name
@@ -203,50 +216,49 @@ def build_http_app(router) -> FastAPI:
     async def _invalid(_, exc: RequestValidationError):
         locs = [".".join(str(x) for x in e["loc"] if x != "body") for e in exc.errors()]
         message = "; ".join(f"{loc}: {e['msg']}" for loc, e in zip(locs, exc.errors()))
-        return _error(grpc.StatusCode.INVALID_ARGUMENT, message, param=locs[0].split(".")[0] if locs else None)
+        return _error(Status.INVALID_ARGUMENT, message, param=locs[0].split(".")[0] if locs else None)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        call = _Call(request)
-        r = await router.ListModels(None, call)
-        if call.code is not None:
-            return _error(call.code, call.details)
+        try:
+            router.authorize(request.headers.get("authorization"))
+        except RouterError as e:
+            return _refusal(e)
+        m = router.models()
         return {"object": "list", "data": [{
-            "id": r.target, "object": "model", "created": int(router.started), "owned_by": "specd",
-            "max_model_len": r.context_length,
-            "drafts": [{"name": d.name, "kind": d.kind, "default": d.default, "placement": d.placement,
-                        "default_gamma": "auto" if d.default_gamma_auto else d.default_gamma} for d in r.drafts]}]}
+            "id": m["target"], "object": "model", "created": int(router.started), "owned_by": "specd",
+            "max_model_len": m["context_length"],
+            "drafts": [{k: d[k] for k in ("name", "kind", "default", "placement", "default_gamma")}
+                       for d in m["drafts"]]}]}
 
     async def serve_body(request: Request, body: _Body, chat: bool):
-        call = _Call(request)
         try:
-            router._authorize(call)
-        except Exception as e:
-            router._error(call, e)
-            return _error(call.code, call.details)
+            router.authorize(request.headers.get("authorization"))
+            timeout_s = router.timeout_s(_timeout(request))
+        except RouterError as e:
+            return _refusal(e)
         if body.model != model:
-            return _error(grpc.StatusCode.NOT_FOUND, f"model {body.model!r} does not exist; this server serves "
-                                                     f"{model!r} (GET /v1/models)")
+            return _error(Status.NOT_FOUND, f"model {body.model!r} does not exist; this server serves "
+                                            f"{model!r} (GET /v1/models)")
         if not await router.serving():
-            return _error(grpc.StatusCode.UNAVAILABLE, "not ready: no verifier replica is running yet; retry later")
-        stream = router._stream(body.generate_request(), call)
+            return _error(Status.UNAVAILABLE, "not ready: no verifier replica is running yet; retry later")
         try:  # the first message, or the refusal: validation, admission
+            req = await router.request(**body.request_args())
+            stream = router.generate(req, timeout_s)
             first, _ = await anext(stream)
         except Exception as e:
-            router._error(call, e)
-            return _error(call.code, call.details)
+            return _refusal(router.failure(e))
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + first.request_id, "created": int(time.time()),
                 "model": model}
         if body.stream:
-            return StreamingResponse(_events(router, call, first, stream, head, chat, body.return_token_ids),
+            return StreamingResponse(_events(router, first, stream, head, chat, body.return_token_ids),
                                      media_type="text/event-stream")
         deltas = [first]
         try:
             async for d, _ in stream:
                 deltas.append(d)
         except Exception as e:
-            router._error(call, e)
-            return _error(call.code, call.details)
+            return _refusal(router.failure(e))
         last, text = deltas[-1], "".join(d.text for d in deltas)
         choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason,
                   "stop_reason": last.stop_string or None}
@@ -267,8 +279,10 @@ def build_http_app(router) -> FastAPI:
     return app
 
 
-async def _events(router, call: _Call, first: Delta, stream, head: dict, chat: bool, token_ids: bool):
-    """Server-sent events: one chunk per message of the generation, `data: [DONE]` last."""
+async def _events(router: Router, first: Delta, stream, head: dict, chat: bool, token_ids: bool):
+    """Server-sent events: one chunk per message of the generation, `data: [DONE]` last. A client
+    that disconnects closes this generator (Starlette stops iterating it), which closes the
+    router's stream: the generation is cancelled unless coalesced callers remain."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(d: Delta, role: bool) -> str:
@@ -289,8 +303,8 @@ async def _events(router, call: _Call, first: Delta, stream, head: dict, chat: b
         async for d, _ in stream:
             yield chunk(d, role=False)
     except Exception as e:  # the stream has started: the error is its last event
-        router._error(call, e)
-        yield f"data: {json.dumps(error_body(call.code, call.details)[1])}\n\n"
+        err = router.failure(e)
+        yield f"data: {json.dumps(error_body(err.status, err.message)[1])}\n\n"
     finally:
         await stream.aclose()  # a client that left: the router stops the generation if it was the last caller
     yield "data: [DONE]\n\n"

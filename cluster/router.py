@@ -1,8 +1,7 @@
-"""The gRPC ingress (Ray Serve deployment): validation, admission, coalescing, streaming.
-
-Methods are named after the RPCs of `specd.v1.SpecDecode` (and `Check` for the
-standard grpc.health.v1 service); Serve's gRPC proxy routes to them by the
-`application` metadata key.
+"""The router's core (Ray Serve deployment, transport-neutral): validation, admission,
+coalescing, streaming, failover. gRPC (`cluster.grpc_api`) and HTTP (`cluster.http`) are thin
+adapters over it: each turns its own request into a `schema.Request` (`Router.request`) and
+streams `Router.generate`, and maps a `RouterError`'s `Status` onto its own codes.
 
 - Validation: the request schema (`actors.schema.validate` against `ClusterConfig.limits`);
   every bad field gets INVALID_ARGUMENT naming the field and its limit. Prompts are
@@ -12,39 +11,39 @@ standard grpc.health.v1 service); Serve's gRPC proxy routes to them by the
 - Coalescing: identical in-flight requests (same input, sampling params and
   speculation, and deterministic: greedy or seeded) share one generation; every
   caller gets the full stream from its first token.
+- Deadlines: the time a request has left (the adapter's: gRPC's deadline, HTTP's header, else
+  `router.request_timeout_s`) crosses to the verifier as a duration.
 - Verifier choice: power of two choices, the less loaded by queue length
-  (`cluster.routing.PinnedRouter`, which also lets GetStats, GetLoad and Abort reach every
+  (`cluster.routing.PinnedRouter`, which also lets stats, load and abort reach every
   verifier replica by its id).
-- Access: with `auth` configured, every RPC but the health check needs a bearer token.
-- HTTP: the same router serves the OpenAI-compatible API (`cluster.http`) as its Serve ingress
-  app, through the same validation, admission and coalescing.
+- Access: with `auth` configured, every call but the health check needs a bearer token.
 - Failover: a stream whose verifier replica is lost resumes on another from the prompt plus
   the tokens already streamed (`_pump`).
 - Metrics: latencies per caller, admission rejections, coalesced requests (`cluster.metrics`).
-Does not know: models or KV caches (the verifier's job); it only tokenizes.
+Does not know: models or KV caches (the verifier's job), gRPC or HTTP; it only tokenizes.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 
-import grpc
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.build import draft_kind
-from actors.calibrate import hardware_line
-from actors.schema import MAX_BEAMS, MAX_GAMMA, NO_DRAFT, Delta, Request, SpecStats, validate
+from actors.models import model_name
+from actors.schema import (MAX_BEAMS, MAX_GAMMA, NO_DRAFT, Delta, Request, SamplingParams, SpecStats,
+                           SpeculationParams, validate)
 from actors.text import encode_prompt
-from protos import specd_pb2
 
-from .config import ClusterConfig, draft_deployment_name
+from .config import ClusterConfig
 from .metrics import RouterMetrics
-from .wire import delta_to_proto, sampling_from_proto, speculation_from_proto, stats_to_proto
 
 log = logging.getLogger("specd")
 HEALTH_SERVICES = ("", "specd.v1.SpecDecode")
@@ -55,15 +54,27 @@ def _answer_replica(answer) -> str | None:
     return answer.get("replica_id") if isinstance(answer, dict) else None
 
 
-class RpcError(Exception):
-    """End the call with this gRPC status."""
+class Status(Enum):
+    """Why a call failed, in gRPC's terms (each adapter maps it: `grpc.StatusCode[status.name]`, an
+    HTTP status in `cluster.http.STATUS`)."""
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    NOT_FOUND = "not_found"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
 
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
+
+class RouterError(Exception):
+    """End the call with this status and message."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
     def __reduce__(self):  # crosses Ray process boundaries inside Serve's error wrapper
-        return (RpcError, (self.code, self.details))
+        return (RouterError, (self.status, self.message))
 
 
 @dataclass
@@ -110,69 +121,59 @@ class Router:
         self.started = time.time()
         self.metrics = RouterMetrics(self.cfg.served_name)
 
-    def __serve_build_asgi_app__(self):
-        """The OpenAI-compatible HTTP API over this router (Serve calls it once the replica is built)."""
-        from .http import build_http_app
-
-        return build_http_app(self)
-
     # ---- access control ----------------------------------------------------------------------------
-    def _authorize(self, grpc_context) -> None:
-        """With auth configured: the call must carry ("authorization", "Bearer <token>") with an
-        accepted token, compared in constant time against every one; else UNAUTHENTICATED."""
+    def authorize(self, authorization: str | None) -> None:
+        """With auth configured: `authorization` (the call's "Bearer <token>", gRPC metadata or HTTP
+        header) must carry an accepted token, compared in constant time against every one; else
+        UNAUTHENTICATED."""
         if not self._tokens:
             return
-        md = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
-        scheme, _, given = md.get("authorization", "").partition(" ")
+        scheme, _, given = (authorization or "").partition(" ")
         ok = False
         for t in self._tokens:  # no early exit: the time taken does not depend on which matched
             ok |= hmac.compare_digest(given.strip().encode(), t)
         if scheme.lower() != "bearer" or not ok:
-            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token "
-                                                            "(metadata 'authorization: Bearer <token>')")
-
-    def _refuses(self, grpc_context) -> bool:
-        """For the unary RPCs: True (with UNAUTHENTICATED set on the call) when unauthorized."""
-        try:
-            self._authorize(grpc_context)
-            return False
-        except RpcError as e:
-            if grpc_context is None:
-                raise
-            grpc_context.set_code(e.code)
-            grpc_context.set_details(e.details)
-            return True
+            raise RouterError(Status.UNAUTHENTICATED, "missing or invalid bearer token "
+                                                      "(metadata 'authorization: Bearer <token>')")
 
     # ---- validation --------------------------------------------------------------------------------
-    def _encode(self, req: specd_pb2.GenerateRequest) -> list[int]:
-        """The prompt's token ids (runs off the event loop: tokenizing a long prompt takes a while)."""
-        which = req.WhichOneof("input")
-        if which is None:
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               token_ids: list[int] | None = None) -> list[int]:
+        """The prompt's token ids, from exactly one of the three inputs (runs off the event loop:
+        tokenizing a long prompt takes a while)."""
+        if (prompt is not None) + (messages is not None) + (token_ids is not None) != 1:
             raise ValueError("one of prompt, messages or token_ids is required")
-        if which == "token_ids":
-            if not req.token_ids.ids:
+        if token_ids is not None:
+            if not token_ids:
                 raise ValueError("token_ids.ids must not be empty")
-            return list(req.token_ids.ids)  # the schema checks them against the vocabulary
-        if which == "prompt":
-            if not req.prompt:
+            return list(token_ids)  # the schema checks them against the vocabulary
+        if prompt is not None:
+            if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 try:
-                    return [int(t) for t in req.prompt.split()]
+                    return [int(t) for t in prompt.split()]
                 except ValueError:
                     raise ValueError("prompt must be space-separated token ids for this model") from None
-            return encode_prompt(self.tokenizer, prompt=req.prompt)
-        msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            return encode_prompt(self.tokenizer, prompt=prompt)
         if self.tokenizer is None:
             raise ValueError("messages need a model with a chat template")
-        return encode_prompt(self.tokenizer, messages=msgs)
+        return encode_prompt(self.tokenizer, messages=list(messages))
 
-    async def validate(self, req: specd_pb2.GenerateRequest) -> Request:
-        """The validated request (defaults resolved); ValueError names the field and the limit."""
-        ids = await asyncio.to_thread(self._encode, req)
-        spec = speculation_from_proto(req.speculation)
-        return validate(Request(req.request_id or uuid.uuid4().hex, ids, sampling_from_proto(req.sampling), spec),
-                        self.limits)
+    async def request(self, request_id: str, sampling: SamplingParams, speculation: SpeculationParams,
+                      **source) -> Request:
+        """The validated request (server defaults applied to what is unset: None) for an input
+        (`encode`'s keywords); INVALID_ARGUMENT names the field and the limit."""
+        self.counters["requests_total"] += 1
+        try:
+            ids = await asyncio.to_thread(self.encode, **source)
+            return validate(Request(request_id or uuid.uuid4().hex, ids, sampling, speculation), self.limits)
+        except ValueError as e:
+            raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
+
+    def timeout_s(self, remaining: float | None) -> float | None:
+        """The seconds a request has: what its caller gave, else `router.request_timeout_s`."""
+        return remaining if remaining else self.cfg.router.request_timeout_s
 
     @staticmethod
     def _coalesce_key(req: Request) -> str | None:
@@ -182,14 +183,11 @@ class Router:
                           default=list)
 
     # ---- streaming core --------------------------------------------------------------------------------
-    async def _stream(self, req_pb: specd_pb2.GenerateRequest, grpc_context):
-        """Validate, admit, coalesce; yield the generation's `Delta`s with a `coalesced` flag."""
-        self._authorize(grpc_context)
-        self.counters["requests_total"] += 1
-        try:
-            req = await self.validate(req_pb)
-        except ValueError as e:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    async def generate(self, req: Request, timeout_s: float | None = None):
+        """Admit, coalesce and stream a validated request (`request`; the caller authorized it):
+        yields (Delta, coalesced). timeout_s: the seconds it has (`timeout_s`). The caller closing
+        the stream early leaves its generation; the last caller leaving cancels it, which frees its
+        KV on the verifier."""
         draft = req.speculation.draft
         key = self._coalesce_key(req) if self.cfg.router.coalesce else None
         gen = self.inflight.get(key) if key is not None else None
@@ -201,16 +199,18 @@ class Router:
             if self.admitted >= self.cfg.router.max_queue:
                 self.counters["rejected_total"] += 1
                 self.metrics.rejected.inc(1, {"draft": draft})
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server at capacity: {self.admitted} requests in flight "
-                               f"(router.max_queue = {self.cfg.router.max_queue}); retry later")
-            # The time left travels as a duration: the verifier's clock need not agree with ours.
-            remaining = grpc_context.time_remaining() if hasattr(grpc_context, "time_remaining") else None
+                raise RouterError(Status.RESOURCE_EXHAUSTED,
+                                  f"server at capacity: {self.admitted} requests in flight "
+                                  f"(router.max_queue = {self.cfg.router.max_queue}); retry later")
             gen = _Generation()
             # Counted here, not when the task first runs: callers validated together would all pass
             # the check above before any of their tasks started.
             self.admitted += 1
-            gen.task = asyncio.create_task(self._pump(gen, req, remaining or None))
+            # The time left travels as a duration: the verifier's clock need not agree with ours.
+            # In a context of its own: the task is not any one caller's. (In the caller's, Serve would
+            # count the verifier call as that caller's request and cancel it when that caller
+            # disconnects, ending a coalesced generation for every other caller too.)
+            gen.task = asyncio.create_task(self._pump(gen, req, timeout_s or None), context=contextvars.Context())
             gen.task.add_done_callback(lambda _task, gen=gen, key=key: self._release(gen, key))
             if key is not None:
                 self.inflight[key] = gen
@@ -318,47 +318,20 @@ class Router:
                        sampling=replace(s, max_tokens=s.max_tokens - len(streamed)))
 
     @staticmethod
-    def _error(grpc_context, e: BaseException) -> None:
-        if isinstance(e, RpcError):
-            code = e.code
-        elif isinstance(e, TimeoutError):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        else:  # a server-side failure: the client gets a short reason and an incident id, the log the traceback
-            incident = uuid.uuid4().hex[:12]
-            log.error("incident %s: request failed", incident, exc_info=e)
-            cause = getattr(e, "cause", None) or e  # a RayTaskError wraps the remote exception
-            first = next((ln for ln in str(cause).splitlines() if ln.strip()), "")
-            grpc_context.set_code(grpc.StatusCode.INTERNAL)
-            grpc_context.set_details(f"internal error ({type(cause).__name__}: {first[:200]}); "
-                                     f"incident {incident} in the router's log")
-            return
-        grpc_context.set_code(code)
-        grpc_context.set_details(str(e))
-
-    # ---- RPCs ----------------------------------------------------------------------------------------
-    async def GenerateStream(self, request: specd_pb2.GenerateRequest, grpc_context):
-        rid = request.request_id
-        try:
-            async for delta, coalesced in self._stream(request, grpc_context):
-                yield delta_to_proto(delta, rid or delta.request_id, coalesced)
-        except Exception as e:
-            self._error(grpc_context, e)
-            raise  # a stream must raise for Serve to end it with the status set above
-
-    async def Generate(self, request: specd_pb2.GenerateRequest, grpc_context) -> specd_pb2.GenerateResponse:
-        deltas, coalesced = [], False
-        try:
-            async for delta, coalesced in self._stream(request, grpc_context):
-                deltas.append(delta)
-        except Exception as e:
-            self._error(grpc_context, e)
-            return specd_pb2.GenerateResponse()
-        if not deltas:
-            return specd_pb2.GenerateResponse()
-        last = deltas[-1]
-        joined = Delta(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                       last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats, last.stop_string)
-        return delta_to_proto(joined, request.request_id or last.request_id, coalesced)
+    def failure(e: BaseException) -> RouterError:
+        """What a call that raised `e` ends with: a RouterError as it is, a timeout as
+        DEADLINE_EXCEEDED, anything else (a server-side failure) as INTERNAL with a short reason and
+        an incident id for the caller, the traceback in the log."""
+        if isinstance(e, RouterError):
+            return e
+        if isinstance(e, TimeoutError):
+            return RouterError(Status.DEADLINE_EXCEEDED, str(e) or "deadline exceeded")
+        incident = uuid.uuid4().hex[:12]
+        log.error("incident %s: request failed", incident, exc_info=e)
+        cause = getattr(e, "cause", None) or e  # a RayTaskError wraps the remote exception
+        first = next((ln for ln in str(cause).splitlines() if ln.strip()), "")
+        return RouterError(Status.INTERNAL, f"internal error ({type(cause).__name__}: {first[:200]}); "
+                                            f"incident {incident} in the router's log")
 
     # ---- every replica of a deployment ------------------------------------------------------------
     async def _replica_ids(self) -> dict[str, list[str]]:
@@ -385,7 +358,7 @@ class Router:
         self._replicas_cache = (time.monotonic(), ids)
         return ids
 
-    async def _each(self, handle, deployment: str, method: str, *args) -> list:
+    async def each(self, handle, deployment: str, method: str, *args) -> list:
         """Call `method` on every running replica of `deployment` (pinned by replica id through
         cluster.routing.PinnedRouter), each within CONTROL_TIMEOUT_S; a replica that does not
         answer is left out. Without a controller (unit tests) the handle's one answer. Answers
@@ -424,49 +397,12 @@ class Router:
                 out.append(x)
         return out
 
-    async def GetStats(self, request, grpc_context=None) -> specd_pb2.StatsResponse:
-        """Router counters, and every live verifier and draft replica (each asked through its
-        own pinned call, so all of a pool's replicas appear, not the one a handle picked)."""
-        if self._refuses(grpc_context):
-            return specd_pb2.StatsResponse()
-        r = specd_pb2.StatsResponse(requests_active=self.admitted, uptime_seconds=time.time() - self.started,
-                                    **self.counters)
-        if self.spec_totals.target_passes:
-            r.spec_stats.CopyFrom(stats_to_proto(self.spec_totals))
-        for v in await self._each(self.verifier, "Verifier", "stats"):
-            r.requests_queued += v.get("queued", 0)
-            rep = r.replicas.add(replica_id=v["replica_id"], role="verifier", active_sequences=v["active_sequences"],
-                                 kv_slots_in_use=v["kv_slots_in_use"], kv_slots_total=v["kv_slots_total"],
-                                 dtype=v["engine"].get("dtype", ""), dtype_reason=v["engine"].get("dtype_reason", ""),
-                                 hardware=hardware_line(v["engine"].get("hardware", {})),
-                                 prepacked=bool(v["engine"].get("prepacked")),
-                                 cpu_paths=v["engine"].get("cpu_paths", {}))
-            for name, st in ((v.get("policy") or {}).get("drafters") or {}).items():
-                rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],
-                               acceptance=st["accept_curve"], steps=st["steps"],
-                               speculated_steps=st["speculated_steps"])
-        for name, h in self.draft_handles.items():
-            for d in await self._each(h, draft_deployment_name(name), "stats"):
-                r.replicas.add(replica_id=d["replica_id"], role="draft", active_sequences=d["active_sequences"],
-                               kv_slots_in_use=d["kv_slots_in_use"], kv_slots_total=d["kv_slots_total"])
-        return r
-
-    async def GetLoad(self, request, grpc_context=None) -> specd_pb2.LoadResponse:
-        if self._refuses(grpc_context):
-            return specd_pb2.LoadResponse()
-        r = specd_pb2.LoadResponse()
-        for v in await self._each(self.verifier, "Verifier", "load"):
-            r.replicas.add(**v)
-        return r
-
-    async def Abort(self, request: specd_pb2.AbortRequest, grpc_context=None) -> specd_pb2.AbortResponse:
+    async def abort(self, request_ids: list[str]) -> list[str]:
         """Streams of these ids on this router replica end with finish reason "abort" (a coalesced
         generation goes on for its other callers; one left without callers is cancelled, which
         frees its KV). Ids this replica does not hold are aborted on every verifier replica (a
-        request another router replica streams)."""
-        if self._refuses(grpc_context):
-            return specd_pb2.AbortResponse()
-        ids = list(dict.fromkeys(i for i in request.request_ids if i))
+        request another router replica streams). Returns the ids found, in the order asked."""
+        ids = list(dict.fromkeys(i for i in request_ids if i))
         found = {i for i in ids if i in self.subscriptions}
         for i in found:
             for sub in self.subscriptions[i]:
@@ -474,38 +410,21 @@ class Router:
                 sub.gen.changed.set()
         rest = [i for i in ids if i not in found]
         if rest:
-            for got in await self._each(self.verifier, "Verifier", "abort_ids", rest):
+            for got in await self.each(self.verifier, "Verifier", "abort_ids", rest):
                 found.update(got)
-        return specd_pb2.AbortResponse(aborted=[i for i in ids if i in found])
+        return [i for i in ids if i in found]
 
-    async def ListModels(self, request, grpc_context=None) -> specd_pb2.ListModelsResponse:
-        if self._refuses(grpc_context):
-            return specd_pb2.ListModelsResponse()
+    def models(self) -> dict:
+        """What this router serves: the model's served name, limits and drafts (with each draft's
+        kind as it resolves for this target)."""
         cfg = self.cfg
-        r = specd_pb2.ListModelsResponse(target=cfg.served_name, max_gamma=MAX_GAMMA, max_tokens=cfg.router.max_tokens,
-                                         context_length=cfg.max_len, max_beams=min(MAX_BEAMS, self.limits.max_beams))
-        r.drafts.add(name=NO_DRAFT, kind=NO_DRAFT, default=cfg.router.default_draft == NO_DRAFT)
-        for d in cfg.drafts:
-            auto = d.default_gamma == "auto"
-            r.drafts.add(name=d.name, kind=draft_kind(d.spec), default=d.name == cfg.router.default_draft,
-                         default_gamma=0 if auto else d.default_gamma, default_gamma_auto=auto, placement=d.placement)
-        return r
-
-    async def Check(self, request, grpc_context=None):
-        """grpc.health.v1: service "" (the server) and "specd.v1.SpecDecode" are SERVING while a
-        verifier replica is running (its models loaded), NOT_SERVING before and while none is;
-        any other service name is NOT_FOUND. Read from the Serve controller, so a busy verifier
-        (every slot streaming) still reads as serving."""
-        from grpc_health.v1 import health_pb2
-
-        if request.service not in HEALTH_SERVICES:
-            if grpc_context is not None:
-                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
-                grpc_context.set_details(f"unknown service {request.service!r}; known: {list(HEALTH_SERVICES)}")
-            return health_pb2.HealthCheckResponse()
-        S = health_pb2.HealthCheckResponse
-        status = S.SERVING if await self.serving() else S.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+        drafts = [{"name": NO_DRAFT, "kind": NO_DRAFT, "default": cfg.router.default_draft == NO_DRAFT,
+                   "placement": "", "default_gamma": 0}]
+        target = model_name(cfg.model)
+        drafts += [{"name": d.name, "kind": draft_kind(d.spec, target), "default": d.name == cfg.router.default_draft,
+                    "placement": d.placement, "default_gamma": d.default_gamma} for d in cfg.drafts]
+        return {"target": cfg.served_name, "max_gamma": MAX_GAMMA, "max_tokens": cfg.router.max_tokens,
+                "context_length": cfg.max_len, "max_beams": min(MAX_BEAMS, self.limits.max_beams), "drafts": drafts}
 
     async def serving(self) -> bool:
         """Whether a verifier replica is running (its models loaded): the health check's answer."""

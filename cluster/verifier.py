@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.build import build_engine, spec_feature_layers
+from actors.models import model_name
 from actors.schema import AUTO_DRAFT, NO_DRAFT, Delta, Request
 
 from .config import ClusterConfig
@@ -56,7 +57,8 @@ class VerifierServer:
         torch.set_num_threads(v.torch_threads)
         local = {d.name: d.spec for d in cfg.drafts if not d.remote}
         specs = {d.name: d.spec for d in cfg.drafts}
-        remote = {name: RemoteDrafter(handle, name, feature_layers=spec_feature_layers(specs.get(name, "")))
+        target = model_name(cfg.model)
+        remote = {name: RemoteDrafter(handle, name, feature_layers=spec_feature_layers(specs.get(name, ""), target))
                   for name, handle in (draft_handles or {}).items()}
         built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
                              device=cfg.device, compile=v.compile, extra_drafters=remote, pipeline=v.pipeline,

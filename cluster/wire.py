@@ -37,6 +37,17 @@ def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams
         acceptance=sp.acceptance or "lossless")
 
 
+def request_from_proto(pb: specd_pb2.GenerateRequest) -> dict:
+    """`Router.request`'s keywords for a GenerateRequest: its id, parameters and its one input."""
+    which = pb.WhichOneof("input")
+    source = {} if which is None else {
+        "prompt": {"prompt": pb.prompt},
+        "messages": {"messages": [{"role": m.role, "content": m.content} for m in pb.messages.messages]},
+        "token_ids": {"token_ids": list(pb.token_ids.ids)}}[which]
+    return {"request_id": pb.request_id, "sampling": sampling_from_proto(pb.sampling),
+            "speculation": speculation_from_proto(pb.speculation), **source}
+
+
 def stats_to_proto(st: SpecStats) -> specd_pb2.SpecStats:
     msg = specd_pb2.SpecStats(drafts=st.drafts, draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens,
                               acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,

@@ -260,6 +260,53 @@ def test_openai_errors_have_openai_shape(nodes):
         oa.completions.create(model="gpt-4", prompt="5 6", max_tokens=2)
 
 
+def test_an_http_client_that_disconnects_mid_stream_frees_its_kv(nodes):
+    """Three streamed completions, each closed after two chunks: the router cancels their
+    generations (none runs to its end) and within seconds no verifier replica holds target or
+    draft KV for them."""
+    addr, _, _ = nodes
+    oa = openai_client()
+    with SpecdClient(addr, timeout=60, token=TOKEN) as client:
+        before = client.stats().tokens_total  # tokens of generations that ran to their end
+    for prompt in LONG_PROMPTS[:3]:
+        stream = oa.completions.create(model="tiny", prompt=prompt, max_tokens=800, stream=True,
+                                       extra_body={"draft": "truncated:2", "gamma": 2})
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        stream.close()  # the client goes away mid-generation
+    with SpecdClient(addr, timeout=60, token=TOKEN) as client:
+        end = time.time() + 30
+        while True:
+            load = client.load()
+            used = [(r.kv_slots_in_use, r.draft_kv_slots_in_use, r.running) for r in load]
+            if all(u == (0, 0, 0) for u in used) or time.time() > end:
+                break
+            time.sleep(0.2)
+        assert len(load) == 2 and all(u == (0, 0, 0) for u in used), used
+        assert client.stats().tokens_total == before  # cancelled, not run to their 800 tokens and then freed
+
+
+def test_a_coalesced_stream_outlives_the_caller_that_started_it(nodes):
+    """B joins A's generation (coalescing); A disconnects; B still gets the whole greedy output.
+    (Regression: the generation's verifier call ran in A's Serve request context, and Serve cancels
+    a disconnected request's calls, so B's stream died with A.)"""
+    addr, _, _ = nodes
+    prompt, n = LONG_PROMPTS[3], 600
+    with SpecdClient(addr, timeout=120, token=TOKEN) as client:
+        ref = client.generate(prompt=prompt, max_tokens=n, draft="truncated:2", gamma=2).token_ids
+        coalesced = client.stats().coalesced_total
+    oa = openai_client()
+    kw = dict(model="tiny", prompt=prompt, max_tokens=n, stream=True,
+              extra_body={"draft": "truncated:2", "gamma": 2, "return_token_ids": True})
+    a = oa.completions.create(**kw)
+    next(iter(a))  # A's generation is running
+    b = oa.completions.create(**kw)  # B has its first message: it joined
+    a.close()
+    assert [t for c in b for t in c.choices[0].token_ids] == ref
+    with SpecdClient(addr, timeout=60, token=TOKEN) as client:
+        assert client.stats().coalesced_total == coalesced + 1
+
+
 @pytest.fixture(scope="module")
 def chat_app(nodes, tokens_file):
     """A second application on the cluster: the embedded chat model (no drafts, no pool resources)."""

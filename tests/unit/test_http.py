@@ -37,6 +37,7 @@ class CannedVerifier:
 
     def __init__(self):
         self.ready = False
+        self.timeouts: list[float | None] = []  # the time each request was given
         self.generate = _Method(self._stream)
         self.check_health = _Method(self._health)
         self.stats = SpecStats()
@@ -51,6 +52,7 @@ class CannedVerifier:
             raise RuntimeError("models still loading")
 
     async def _stream(self, req, timeout_s=None):
+        self.timeouts.append(timeout_s)
         yield Delta(req.request_id, [5], "")
         yield Delta(req.request_id, [6], "", finish_reason="length", prompt_tokens=len(req.prompt_ids),
                     completion_tokens=2, stats=self.stats)
@@ -60,7 +62,8 @@ class CannedVerifier:
 def served():
     verifier = CannedVerifier()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_http_app(Router(CONFIG, verifier)), host="127.0.0.1", port=port,
+    config = {**CONFIG, "router": {**CONFIG["router"], "request_timeout_s": 30.0}}
+    server = uvicorn.Server(uvicorn.Config(build_http_app(Router(config, verifier)), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -101,3 +104,17 @@ def test_schema_errors_name_the_body_field(served):
     with pytest.raises(openai.BadRequestError) as e:
         oa.completions.create(model="tiny", prompt="1 2", n=2)
     assert e.value.body["param"] == "n"
+
+
+def test_a_deadline_from_the_header_else_the_config_reaches_the_verifier(served):
+    """HTTP has what gRPC's deadline gives: X-Request-Timeout (seconds) crosses to the verifier as the
+    time the request has, else router.request_timeout_s; a malformed value is a 400 naming the header."""
+    verifier, oa = served
+    verifier.ready = True
+    oa.completions.create(model="tiny", prompt="1 2 3", extra_headers={"X-Request-Timeout": "2.5"})
+    oa.completions.create(model="tiny", prompt="1 2 3")
+    assert verifier.timeouts[-2:] == [2.5, 30.0]
+    for bad in ("soon", "0", "-1"):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.completions.create(model="tiny", prompt="1 2 3", extra_headers={"X-Request-Timeout": bad})
+        assert "X-Request-Timeout must be a positive number of seconds" in e.value.body["message"]

@@ -1,5 +1,6 @@
-"""The router without Ray: the real `Router` over a fake verifier handle that streams from a real
-in-process engine (tiny model), driven with real proto messages.
+"""The router without Ray: the real router deployment (the transport-neutral core and its gRPC
+adapter, `RouterDeployment`) over a fake verifier handle that streams from a real in-process
+engine (tiny model), driven with real proto messages.
 
   * validation is the request schema's: INVALID_ARGUMENT carries exactly the message the engine
     raises for the same request;
@@ -25,9 +26,10 @@ import pytest
 from actors.engine import SpecEngine
 from actors.drafters import NgramDrafter
 from actors.llama import LlamaRunner
-from actors.schema import Request
+from actors.schema import Request, SamplingParams, SpeculationParams
 from cluster.config import ClusterConfig
-from cluster.router import Router, RpcError
+from cluster.grpc_api import RouterDeployment as Router
+from cluster.router import RouterError, Status
 from protos import specd_pb2
 from specd_client import build_request
 
@@ -105,9 +107,9 @@ BAD = [dict(prompt="1 2 3", max_tokens=0), dict(prompt="1 2 3", max_tokens=33), 
 
 @pytest.mark.parametrize("kw", BAD, ids=lambda kw: "-".join(k for k in kw if k != "prompt"))
 def test_invalid_argument_message_is_the_engine_s(router, kw):
-    with pytest.raises(RpcError) as ei:
+    with pytest.raises(RouterError) as ei:
         generate(router, build_request(**kw))
-    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.status == Status.INVALID_ARGUMENT
     # The same request, built by hand for the engine with the router's limits, fails identically.
     from actors.schema import SamplingParams, SpeculationParams, validate
     r = build_request(**kw)
@@ -118,7 +120,7 @@ def test_invalid_argument_message_is_the_engine_s(router, kw):
                                     r.speculation.gamma if r.speculation.HasField("gamma") else None))
     with pytest.raises(ValueError) as ve:
         validate(req, ClusterConfig.model_validate(CONFIG).limits())
-    assert str(ve.value) == ei.value.details
+    assert str(ve.value) == ei.value.message
 
 
 def test_time_left_crosses_as_a_duration(router):
@@ -145,7 +147,7 @@ def test_prompts_are_tokenized_off_the_event_loop(tiny):
 
     async def go():
         loop_thread = threading.current_thread()
-        req = await r.validate(build_request(prompt="5 6 7"))
+        req = await r.request("", SamplingParams(), SpeculationParams(), prompt="5 6 7")
         return loop_thread, req
     loop_thread, req = asyncio.run(go())
     assert req.prompt_ids == [5, 6, 7] and threads and threads[0] is not loop_thread
@@ -188,15 +190,15 @@ def test_admission_counts_requests_validated_together(router, tiny, hf_greedy):
             try:
                 return [t for d, _ in [x async for x in router._stream(build_request(token_ids=ids, max_tokens=6),
                                                                         Context())] for t in d.token_ids]
-            except RpcError as e:
+            except RouterError as e:
                 return e
         return await asyncio.gather(*map(one, prompts))
     out = asyncio.run(all_at_once())
-    refused = [o for o in out if isinstance(o, RpcError)]
+    refused = [o for o in out if isinstance(o, RouterError)]
     assert len(refused) == 12 - 8
-    assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "router.max_queue = 8" in e.details for e in refused)
+    assert all(e.status == Status.RESOURCE_EXHAUSTED and "router.max_queue = 8" in e.message for e in refused)
     for ids, o in zip(prompts, out):
-        if not isinstance(o, RpcError):
+        if not isinstance(o, RouterError):
             assert o == hf_greedy(tiny.model, ids, 6, eos=None)
     assert router.admitted == 0 and not router.inflight
 
@@ -224,9 +226,11 @@ def test_generation_cancelled_before_it_ran_gives_back_its_place(router):
 
 def test_wire_conversion_keeps_presence(router):
     """An unset field stays unset until the schema applies the server default."""
-    req = asyncio.run(router.validate(specd_pb2.GenerateRequest(prompt="4 5 6")))
+    from cluster.wire import request_from_proto
+
+    req = asyncio.run(router.request(**request_from_proto(specd_pb2.GenerateRequest(prompt="4 5 6"))))
     assert req.sampling.max_tokens == 8 and req.speculation.draft == "ngram" and req.speculation.gamma == 3
-    req = asyncio.run(router.validate(build_request(prompt="4 5 6", gamma=0, max_tokens=3)))
+    req = asyncio.run(router.request(**request_from_proto(build_request(prompt="4 5 6", gamma=0, max_tokens=3))))
     assert req.sampling.max_tokens == 3 and req.draft is None and req.gamma == 0
 
 
@@ -319,10 +323,10 @@ def test_bearer_tokens(tiny, tmp_path, monkeypatch):
         assert generate(r, ok, Context(metadata=[("authorization", f"Bearer {tok}")]))[-1].finished
     for md in ([], [("authorization", "Bearer tok-")], [("authorization", "Basic tok-a")],
                [("authorization", "Bearer # comment")], [("x-token", "tok-a")]):
-        with pytest.raises(RpcError) as ei:
+        with pytest.raises(RouterError) as ei:
             generate(r, ok, Context(metadata=md))
-        assert ei.value.code == grpc.StatusCode.UNAUTHENTICATED
-        assert not any(v.split()[-1] in ei.value.details for _, v in md)  # what was sent is not echoed
+        assert ei.value.status == Status.UNAUTHENTICATED
+        assert not any(v.split()[-1] in ei.value.message for _, v in md)  # what was sent is not echoed
         for rpc, msg in ((r.GetStats, specd_pb2.StatsRequest()), (r.GetLoad, specd_pb2.LoadRequest()),
                          (r.ListModels, specd_pb2.ListModelsRequest()),
                          (r.Abort, specd_pb2.AbortRequest(request_ids=["x"]))):
