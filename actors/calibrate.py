@@ -69,11 +69,6 @@ def hardware_line(hw: dict) -> str:
             f"{hw.get('threads')} thread{'s' if hw.get('threads', 1) != 1 else ''}, torch {hw.get('torch')}")
 
 
-def native_bf16(hw: dict) -> bool:
-    """Whether bf16 matmuls run natively (a GPU, or AMX / AVX-512-BF16 on a CPU)."""
-    return hw["device"] == "cuda" or bool({"amx_bf16", "avx512_bf16"} & set(hw.get("flags", ())))
-
-
 @dataclass
 class PassCost:
     """t(B, T): seconds of one target pass (forward + LM head) over B rows of T new tokens,

@@ -262,6 +262,10 @@ class SpecEngine:
                     last.append(hidden[b, n - 1])
         if done:
             logits = self.target.logits(torch.stack(last)).float()  # [B, V]
+            gated = [b for b, s in enumerate(done) if s.req.speculation.entropy_gate is not None]
+            if gated:  # the entropy gate's first value: the distribution of the first token
+                for b, h in zip(gated, _entropy(logits[gated]).tolist()):
+                    done[b].entropy = h
             # The KV holds the prompt; the first token is committed but not in it: the invariant holds.
             plain = [b for b, s in enumerate(done) if s.beam is None]
             if plain:
@@ -373,9 +377,11 @@ class SpecEngine:
         return out
 
     def _gated(self, s: Sequence) -> bool:
-        """The entropy gate: no drafting while the target's recent entropy is above the request's gate."""
+        """The entropy gate: drafting only while the target's recent entropy is below the request's
+        gate (so a gate of 0 never drafts); from the first decode step, the prefill's distribution
+        giving the first value."""
         gate = s.req.speculation.entropy_gate
-        return gate is not None and s.entropy > gate
+        return gate is not None and (s.entropy is None or s.entropy >= gate)
 
     def _reconsider_draft(self, s: Sequence) -> None:
         """draft "auto": switch drafters when the selector says so (the new one starts from the
@@ -545,7 +551,7 @@ class SpecEngine:
         for i, b in enumerate(rows):
             s, a = seqs[b], len(paths[b])
             for j in [0] + paths[b]:  # the distributions that produced this step's committed tokens
-                s.entropy = ent[i][j] if s.entropy == 0 else 0.7 * s.entropy + 0.3 * ent[i][j]
+                s.entropy = ent[i][j] if s.entropy is None else 0.7 * s.entropy + 0.3 * ent[i][j]
             if self.entropy_log is not None and b not in parents:
                 prev = [s.tokens[-1]] + drafts[b]  # (not committed yet: the last token is the root)
                 for j in range(len(drafts[b])):

@@ -28,8 +28,8 @@ their predicted rate than steps that did not, every speculative choice is discou
 ratio (`discount`).
 
 Greedy output never depends on γ. A seeded sampled request's tokens do not either: seeded rows
-use coupled acceptance (`sampling.verify_coupled`), whose output is a function of the seed and
-the position only.
+use coupled acceptance (`sampling.coupled_scores`, then `verify_greedy`), whose output is a
+function of the seed and the position only.
 
 Does not know: models or sequences; the engine feeds it counts and seconds.
 """

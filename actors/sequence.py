@@ -40,7 +40,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     draft: str | None = None  # the drafter speculating for it now (with draft "auto": the selector's pick)
-    entropy: float = 0.0  # EMA of the target's entropy (nats) at its committed positions (entropy gate)
+    entropy: float | None = None  # EMA of the target's entropy (nats) at its committed positions (entropy gate)
     draft_steps: dict = field(default_factory=dict)  # drafter -> verify steps it drafted (draft "auto")
     shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
     mb: int | None = None  # pipelined: which micro-batch (0 or 1) verifies it

@@ -22,7 +22,7 @@ from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
 from .draft_server import DraftServer
 from .metrics import DraftMetrics
 from .grpc_api import RouterDeployment
-from .serve import node_id, replica_id, start_heap_trim
+from .runtime import node_id, replica_id, start_heap_trim
 from .verifier import VerifierServer
 
 DRAFT_BATCH = 16  # concurrent propose calls one draft replica answers in one batch

@@ -4,7 +4,8 @@ Locally `start` declares the custom resources that stand for the accelerator poo
 (`small_accel` for drafts, `large_accel` for verifiers) and exports Prometheus metrics on
 `metrics_port` (0: a free port Ray picks); with `address` it joins an existing cluster
 (KubeRay), whose nodes declare real accelerators. `http_address` and `metrics_endpoints`
-report where the OpenAI-compatible API and each node's metrics are.
+report where the OpenAI-compatible API and each node's metrics are. (What runs inside the
+replicas is `cluster.runtime`'s.)
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import time
 from .config import ClusterConfig
 
 POOLS = {"small_accel": 4, "large_accel": 4}
-HEAP_TRIM_S = 10.0
-_heap_trim_started = False
 
 
 def free_port() -> int:
@@ -67,49 +66,6 @@ def metrics_endpoints() -> list[str]:
     import ray
 
     return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes() if n["Alive"]]
-
-
-def start_heap_trim(period_s: float = HEAP_TRIM_S) -> None:
-    """Every `period_s`, hand the heap's free pages back to the OS (glibc `malloc_trim`; a no-op
-    where the C library has none). Tensors of many sizes come and go between steps, and glibc keeps
-    what they freed inside its arenas, so without this a replica's RSS wanders by a few hundred MB
-    with the load rather than with what it holds. Once per process (later calls do nothing)."""
-    import ctypes
-    import threading
-
-    global _heap_trim_started
-    if _heap_trim_started:
-        return
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    _heap_trim_started = True
-
-    def loop() -> None:
-        while True:
-            time.sleep(period_s)
-            trim(0)
-
-    threading.Thread(target=loop, name="specd-heap-trim", daemon=True).start()
-
-
-def node_id() -> str:
-    """The Ray node this process runs on ("local" outside Ray)."""
-    try:
-        import ray
-        return ray.get_runtime_context().get_node_id()
-    except Exception:
-        return "local"
-
-
-def replica_id() -> str:
-    """This Serve replica's id ("local" outside Serve, e.g. in unit tests)."""
-    try:
-        from ray import serve
-        return serve.get_replica_context().replica_tag
-    except Exception:
-        return "local"
 
 
 def stop() -> None:

@@ -31,7 +31,7 @@ from actors.schema import AUTO_DRAFT, NO_DRAFT, Delta, Request
 from .config import ClusterConfig
 from .draft_server import RemoteDrafter
 from .metrics import GAUGE_REFRESH_S, VerifierMetrics
-from .serve import node_id, replica_id, start_heap_trim
+from .runtime import node_id, replica_id, start_heap_trim
 
 log = logging.getLogger("specd")
 

@@ -64,9 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specd", description="speculative-decoding serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    sub.add_parser("setup", help="cache the embedded model as safetensors")
+    sub.add_parser("setup", help="cache the embedded model as safetensors").set_defaults(func=_setup)
 
     g = sub.add_parser("generate", help="generate text")
+    g.set_defaults(func=_generate)
     g.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
     g.add_argument("--address", help="HOST:PORT of a running `specd serve` (gRPC)")
     src = g.add_mutually_exclusive_group(required=True)
@@ -98,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(g)
 
     b = sub.add_parser("bench", help="benchmark speculative vs plain decoding and Hugging Face")
+    b.set_defaults(func=_bench)
     b.add_argument("--local", action="store_true", help="benchmark the in-process engine")
     b.add_argument("--address", default=None,
                    help="HOST:PORT of a running cluster: benchmark it through the SDK (specd/bench/cluster.py)")
@@ -151,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="start the cluster (Ray Serve + gRPC and HTTP) from a config, or for a "
                                       "model with no config (--model)")
+    sv.set_defaults(func=_serve)
     sv.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml, or the "
                                                    "defaults with --model)")
     sv.add_argument("--address", default=None, help="join a running Ray cluster instead of starting one")
@@ -172,6 +175,7 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="start the cluster, stream a few answers through the SDK, print tokens/s "
                                     "and acceptance, shut down (--local: the in-process engine instead)")
+    d.set_defaults(func=_demo)
     d.add_argument("--local", action="store_true", help="run the engine in-process, without Ray")
     d.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/local.yaml)")
     d.add_argument("--draft", default=None, help="draft for the streamed answers (default: the config's default "
@@ -198,42 +202,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"setup": _setup, "generate": _generate, "bench": _bench, "demo": _demo,
-                "serve": _serve, "distill": _distill, "cost": _cost,
-                "lab": _lab, "tune": _tune, "soak": _soak, "quant": _quant}[args.cmd](args)
+        return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specd: error: {e}", file=sys.stderr)
         return 2
-
-
-def _lab(args) -> int:
-    from .lab import run
-    return run(args)
-
-
-def _tune(args) -> int:
-    from .tune import run
-    return run(args)
-
-
-def _quant(args) -> int:
-    from .quant import run
-    return run(args)
-
-
-def _soak(args) -> int:
-    from .soak import run
-    return run(args)
-
-
-def _cost(args) -> int:
-    from .cost import run
-    return run(args)
-
-
-def _distill(args) -> int:
-    from .distill import run
-    return run(args)
 
 
 def _setup(args) -> int:

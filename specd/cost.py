@@ -527,6 +527,7 @@ def _pools(value: str) -> list[tuple[str, str]]:
 def add_parser(sub) -> None:
     p = sub.add_parser("cost", help="$/1M tokens, J/token, replicas and latency for a load, from a bench JSON",
                        description=__doc__.split("\n\n")[0])
+    p.set_defaults(func=run)
     p.add_argument("input", help="a `specd bench --local`, `specd bench --address/--serve` or `make gpu-check` JSON")
     p.add_argument("--rps", type=float, default=10.0, help="target load: requests per second (default %(default)s)")
     p.add_argument("--tokens", type=float, default=200.0,

@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     d = DistillConfig()
     p = sub.add_parser("distill", help="train a draft model from the target (KL / NTP distillation)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.set_defaults(func=run)
     p.add_argument("--model", default="smollm2",
                    help="target: 'smollm2' (embedded), 'tiny', or a HF model dir of any family the runner serves")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype (as served)")

@@ -332,6 +332,7 @@ def distill_reports(root: Path) -> dict:
 # --------------------------------------------------------------------------------- the command
 def add_parser(sub) -> None:
     p = sub.add_parser("lab", help="measure the seed's claims on your target and drafts (report.md + figures)")
+    p.set_defaults(func=run)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     p.add_argument("--draft", action="append", default=None, help="drafts to study (default: ngram, default, "

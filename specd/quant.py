@@ -45,6 +45,7 @@ DRAFT_INT8 = "int8-weight"  # the post-training int8 draft (weight-only: a batch
 def add_parser(sub) -> None:
     p = sub.add_parser("quant", help="int8 target and draft (torchao): pass costs, draft cost, tokens/s, α, "
                                      "agreement with and NLL under the unquantized target")
+    p.set_defaults(func=run)
     p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the unquantized target's dtype")
     p.add_argument("--draft", default="default", help="the draft to quantize post-training (default: the shipped head)")

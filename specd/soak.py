@@ -361,6 +361,7 @@ def plot(report: dict, path: str) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("soak", help="a bounded soak: mixed load with cancellations and deadlines; statuses, "
                                     "latency and every replica's RSS over time, KV at the end")
+    p.set_defaults(func=run)
     p.add_argument("--config", default=None, help="start a local cluster from this config (default: local.yaml)")
     p.add_argument("--address", default=None, help="HOST:PORT of a running cluster instead (joins its Ray for RSS)")
     p.add_argument("--minutes", type=float, default=10.0)

@@ -495,6 +495,7 @@ def plot(report: dict, path: str | Path) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure pass costs and acceptance here, predict the best γ per batch size, "
                                     "check it with a sweep, and store a profile that gamma 'auto' uses")
+    p.set_defaults(func=run)
     p.add_argument("--model", default="smollm2", help="target: 'smollm2' (embedded), 'tiny', or a HF model dir")
     p.add_argument("--draft", action="append", default=None,
                    help="draft to tune (repeatable; default: ngram and the shipped default draft)")

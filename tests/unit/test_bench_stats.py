@@ -1,5 +1,5 @@
 """The cluster benchmark's statistics on hand-made records (no cluster: see
-tests/cluster/test_bench_cluster.py for the benchmark against a real one)."""
+tests/cluster/test_pipeline_cluster.py for the benchmark against a real one)."""
 import os
 
 import pytest

@@ -3,7 +3,6 @@
 weights and KV per part."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from actors import build
