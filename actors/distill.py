@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from .build import DRAFT_META
+from .calibrate import draft_step_seconds
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
-from .calibrate import draft_step_seconds
 from .llama import LlamaRunner
 from .models import LoadedModel, cache_dir, vocab_fingerprint
 from .schema import Request, SamplingParams

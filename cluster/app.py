@@ -8,9 +8,8 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import asyncio
+from pathlib import Path
 
 import torch
 from ray import serve
@@ -20,8 +19,8 @@ from actors.drafters.base import DraftSeq
 
 from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
 from .draft_server import DraftServer
-from .metrics import DraftMetrics
 from .grpc_api import RouterDeployment
+from .metrics import DraftMetrics
 from .runtime import node_id, replica_id, start_heap_trim
 from .verifier import VerifierServer
 

@@ -38,8 +38,17 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.build import draft_kind
 from actors.models import model_name
-from actors.schema import (MAX_BEAMS, MAX_GAMMA, NO_DRAFT, Delta, Request, SamplingParams, SpecStats,
-                           SpeculationParams, validate)
+from actors.schema import (
+    MAX_BEAMS,
+    MAX_GAMMA,
+    NO_DRAFT,
+    Delta,
+    Request,
+    SamplingParams,
+    SpecStats,
+    SpeculationParams,
+    validate,
+)
 from actors.text import encode_prompt
 
 from .config import ClusterConfig

@@ -84,9 +84,9 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
           progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
+    from actors import cpu
     from actors.build import draft_mode, make_drafter, ready_drafter, with_prepack
     from actors.engine import SpecEngine, common_prefix
-    from actors import cpu
     from actors.llama import PACKABLE, LlamaRunner
     from actors.models import load_model
     from actors.quant import _torchao, check_mode, quantize_runner

@@ -10,10 +10,33 @@ raise typed `SpecdError` subclasses (specd_client.errors). Importing this
 package pulls in only grpcio, protobuf, the stdlib and the generated stubs in
 `protos` (no torch, ray, transformers or numpy).
 """
-from .client import (HEALTH_SERVICE, AsyncSpecdClient, Chunk, DraftInfo, ModelsInfo, ReplicaLoad, ReplicaStats,
-                     Result, SpecdClient, Stats, Usage, build_request)
-from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound,
-                     ResourceExhausted, SpecdError, Unauthenticated, Unavailable, Unimplemented)
+from .client import (
+                     HEALTH_SERVICE,
+                     AsyncSpecdClient,
+                     Chunk,
+                     DraftInfo,
+                     ModelsInfo,
+                     ReplicaLoad,
+                     ReplicaStats,
+                     Result,
+                     SpecdClient,
+                     Stats,
+                     Usage,
+                     build_request,
+)
+from .errors import (
+                     Cancelled,
+                     DeadlineExceeded,
+                     FailedPrecondition,
+                     Internal,
+                     InvalidArgument,
+                     NotFound,
+                     ResourceExhausted,
+                     SpecdError,
+                     Unauthenticated,
+                     Unavailable,
+                     Unimplemented,
+)
 
 __all__ = [
     "SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats", "ReplicaLoad", "ModelsInfo",

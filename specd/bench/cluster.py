@@ -569,10 +569,10 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
 
 
 def render_pipeline(report: dict) -> str:
+    import io
+
     from rich.console import Console
     from rich.table import Table
-
-    import io
 
     con = Console(record=True, width=210, file=io.StringIO())
     t = Table(title=f"specd bench --pipeline-compare {report['address']}  ({report['target']}, draft "
@@ -615,10 +615,10 @@ def render_pipeline(report: dict) -> str:
 
 # ---------------------------------------------------------------------------------- output
 def render(report: dict) -> str:
+    import io
+
     from rich.console import Console
     from rich.table import Table
-
-    import io
 
     con = Console(record=True, width=150, file=io.StringIO())  # printed once, by the caller
     t = Table(title=f"specd bench --address {report['address']}  ({report['target']}, {report['dtype']}, "

@@ -22,6 +22,7 @@ from actors.text import encode_prompt
 
 from ..data import load_prompts
 
+
 def hf_truncated(model, k: int):
     """A Hugging Face model made of the target's first k layers (for generate(assistant_model=...))."""
     import copy

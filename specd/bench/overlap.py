@@ -138,10 +138,10 @@ def overlap_compare(address: str, names: dict[str, str], gamma: int = 4, max_tok
 
 
 def render(report: dict) -> str:
+    import io
+
     from rich.console import Console
     from rich.table import Table
-
-    import io
 
     con = Console(record=True, width=170, file=io.StringIO())
     t = Table(title=f"specd bench --overlap-compare ({report['target']}, {report['draft']} γ={report['gamma']}, "

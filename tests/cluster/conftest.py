@@ -16,7 +16,6 @@ from cluster import serve as S
 from cluster.config import ClusterConfig
 from specd_client import SpecdClient
 
-
 # pytest-timeout's limit for each test here (pyproject's default is 300 s): the first test of a module
 # also starts Ray and Serve and waits for the replicas; `make fuzz` adds its own time budget.
 CLUSTER_TIMEOUT = 900 + int(os.environ.get("SPECD_FUZZ_SECONDS", "0"))

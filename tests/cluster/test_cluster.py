@@ -13,8 +13,8 @@ import pytest
 import ray
 import torch
 
-from cluster.config import ClusterConfig
 from actors.text import encode_prompt
+from cluster.config import ClusterConfig
 from helpers import chat_ids
 from specd_client.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 

@@ -44,8 +44,8 @@ from google.protobuf import text_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos import specd_pb2 as pb
 from actors.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
+from protos import specd_pb2 as pb
 from protos import specd_pb2_grpc
 
 EXAMPLES = int(os.environ.get("SPECD_FUZZ_EXAMPLES", "300"))

@@ -24,7 +24,6 @@ from cluster.app import build_app
 from cluster.config import REPLICA_ENV, ClusterConfig
 from specd_client import SpecdClient
 
-
 TOKEN = "s3cret-token-for-tests-7f1c"
 # greedy continuations of the tiny model that meet no EOS within 600 tokens (as in test_autoscaling)
 LONG_PROMPTS = ["5 6 7 8 9", "11 12 13 14", "100 200 300", "42 43 44 45"]

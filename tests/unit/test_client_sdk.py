@@ -34,8 +34,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import specd_client
 from protos import specd_pb2, specd_pb2_grpc
-from specd_client import (AsyncSpecdClient, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted,
-                          SpecdClient, SpecdError, Unavailable)
+from specd_client import (
+    AsyncSpecdClient,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SpecdClient,
+    SpecdError,
+    Unavailable,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_TOKENS = 16  # the double's "server default" for max_tokens = 0

@@ -21,7 +21,7 @@ import scipy.stats
 import torch
 
 import actors.engine as engine_mod
-from actors.drafters import DraftSeq, Drafter, ModelDrafter, NgramDrafter, Proposal
+from actors.drafters import Drafter, DraftSeq, ModelDrafter, NgramDrafter, Proposal
 from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
 from actors.models import LoadedModel, build_tiny, check_draft_compatible

@@ -16,11 +16,11 @@ import itertools
 
 import pytest
 import torch
+from test_engine import DIST_PROMPT, N_DIST, P_MIN, V_SMALL, law_pvalues, sample_first_tokens
+from test_families import GEMMA, LLAMA3, family, rope
 
 from actors.llama import LlamaRunner, linear
 from actors.models import LoadedModel
-from test_engine import DIST_PROMPT, N_DIST, P_MIN, V_SMALL, law_pvalues, sample_first_tokens
-from test_families import GEMMA, LLAMA3, family, rope
 
 SW = 4  # windows: shorter than the 4-token prompt plus the 4 sampled tokens
 CASES = {

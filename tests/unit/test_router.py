@@ -17,14 +17,14 @@ engine (tiny model), driven with real proto messages.
 from __future__ import annotations
 
 import asyncio
-import time
 import threading
+import time
 
 import grpc
 import pytest
 
-from actors.engine import SpecEngine
 from actors.drafters import NgramDrafter
+from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
 from actors.schema import Request, SamplingParams, SpeculationParams
 from cluster.config import ClusterConfig

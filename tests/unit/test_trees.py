@@ -13,7 +13,6 @@ accepts each child with probability p(x) without removing rejected ones does not
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -14,11 +14,11 @@ import torch
 
 from actors.build import build_engine
 from actors.calibrate import PassCost, hardware
-from actors.policy import AUTO_MAX_GAMMA, PRIOR_ACCEPT, PROFILE_WEIGHT
-from actors.tune_profile import TuneProfile, matching, store_path
 from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
+from actors.policy import AUTO_MAX_GAMMA, PRIOR_ACCEPT, PROFILE_WEIGHT
 from actors.schema import Request, SamplingParams, SpeculationParams
+from actors.tune_profile import TuneProfile, matching, store_path
 from specd.tune import DraftRecord, StepOverhead, predict_tps, run_logged, tune
 
 
