@@ -37,6 +37,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .stats import percentile, slope
+
 STOPS = ("\n\n", ".", "```")
 RUN_TIMEOUT_S = 300.0  # a request the soak does not cut short: past this it hangs, and counts against it
 
@@ -150,22 +152,8 @@ def _kv_in_use(client) -> dict[str, int]:
 
 def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of (seconds, MB) points, in MB per minute (None under 3 points)."""
-    if len(points) < 3:
-        return None
-    n = len(points)
-    mx = sum(t for t, _ in points) / n
-    my = sum(v for _, v in points) / n
-    sxx = sum((t - mx) ** 2 for t, _ in points)
-    if sxx == 0:
-        return None
-    return 60.0 * sum((t - mx) * (v - my) for t, v in points) / sxx
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    per_s = slope(points)
+    return None if per_s is None else 60.0 * per_s
 
 
 def _fit(pts: list[tuple[float, float]], since: float) -> tuple[float | None, float | None]:
@@ -189,9 +177,9 @@ def summarize(outcomes: list[Outcome], rss: dict[str, list[tuple[float, float]]]
         done = [o for o in outcomes if lo <= o.end < hi]
         ok = [o for o in done if o.status == "OK" and o.finish_reason != "abort"]
         windows.append({"start_s": lo, "finished": len(done), "ok": len(ok),
-                        "p50_s": _pct([o.end - o.start for o in ok], 0.5),
-                        "p99_s": _pct([o.end - o.start for o in ok], 0.99),
-                        "ttft_p50_s": _pct([o.ttft for o in ok if o.ttft is not None], 0.5),
+                        "p50_s": percentile([o.end - o.start for o in ok], 50),
+                        "p99_s": percentile([o.end - o.start for o in ok], 99),
+                        "ttft_p50_s": percentile([o.ttft for o in ok if o.ttft is not None], 50),
                         "tokens_per_s": sum(o.tokens for o in done) / max(min(hi, duration) - lo, 1e-9)})
     since = duration - 60.0 * slope_minutes
     private = rss if private is None else private

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 import os
 import time
 import uuid
@@ -40,17 +39,8 @@ from cluster.config import LOCAL_CONFIG, ClusterConfig
 from cluster.serve import wait_serving
 
 from ..data import PROMPTS, load_prompts
+from ..stats import median, percentile
 from .local import _hf_generate
-
-
-# ---------------------------------------------------------------------------------- statistics
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def _record(t_send: float, arrivals: list[tuple[float, int]], token_ids: list[int], stats: dict | None,
@@ -90,10 +80,10 @@ def summarize(records: list[dict], wall: float | None = None) -> dict:
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {"requests": len(records), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "ttft_ms": {"mean": ms(sum(ttft) / len(ttft)) if ttft else None, "p50": ms(_pct(ttft, 50)),
-                        "p99": ms(_pct(ttft, 99))},
-            "itl_ms": {"p50": ms(_pct(itl, 50)), "p99": ms(_pct(itl, 99))},
-            "chunk_gap_ms": {"p50": ms(_pct(gaps, 50)), "p99": ms(_pct(gaps, 99))},
+            "ttft_ms": {"mean": ms(sum(ttft) / len(ttft)) if ttft else None, "p50": ms(percentile(ttft, 50)),
+                        "p99": ms(percentile(ttft, 99))},
+            "itl_ms": {"p50": ms(percentile(itl, 50)), "p99": ms(percentile(itl, 99))},
+            "chunk_gap_ms": {"p50": ms(percentile(gaps, 50)), "p99": ms(percentile(gaps, 99))},
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": 1 + accepted / drafts if drafts else None,
             "acceptance_per_position": per_pos,
@@ -224,11 +214,6 @@ def runner_ceiling(target_model, threads: int, rows: int = 16, reps: int = 3) ->
     finally:
         torch.set_num_threads(before)
     return {"rows": rows, "threads": threads, "pass_ms": cost(rows, 1) * 1e3, "tokens_per_s": rows / cost(rows, 1)}
-
-
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2 if xs else None
 
 
 def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: int | str | None = None,
@@ -379,7 +364,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
                 per = [tps((r["side"], r["concurrency"], "spec", k)) / tps((r["side"], r["concurrency"], "off", k))
                        for k in range(rounds)]
                 ratios["spec_vs_off_rounds"][f"{r['side']}-c{r['concurrency']}"] = {
-                    "median": _median(per), "min": min(per), "max": max(per), "rounds": per}
+                    "median": median(per), "min": min(per), "max": max(per), "rounds": per}
     goals = {}
     for key, v in ratios["spec_vs_off_rounds"].items():
         if key.startswith("cluster"):

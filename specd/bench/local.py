@@ -21,6 +21,7 @@ from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
 from actors.text import encode_prompt
 
 from ..data import load_prompts
+from ..stats import percentile
 
 
 def hf_truncated(model, k: int):
@@ -300,11 +301,11 @@ def head_of_line(model: str = "smollm2", dtype: str = "bf16", long_tokens: int =
                 eng.abort(k)
     eng.prefill_chunk = 512
 
-    def pct(xs, q):
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else None
+    def ms(xs, q):
+        p = percentile(xs, q)
+        return None if p is None else p * 1e3
     return {"long_prompt_tokens": long_tokens, "streams": streams, "rounds": rounds,
-            "by_chunk": {c: {"itl_p50_ms": pct(v, 0.5), "itl_p99_ms": pct(v, 0.99), "steps_to_admit":
+            "by_chunk": {c: {"itl_p50_ms": ms(v, 50), "itl_p99_ms": ms(v, 99), "steps_to_admit":
                              steps[c] / rounds} for c, v in itl.items()}}
 
 
