@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from actors.drafters.base import DraftSeq
 
 from .config import ClusterConfig, DeploymentSpec, draft_deployment_name
-from .draft_server import DraftServer
+from .draft_server import DraftAnswer, DraftServer
 from .grpc_api import RouterDeployment
 from .metrics import DraftMetrics
 from .runtime import node_id, replica_id, start_heap_trim
@@ -46,26 +46,28 @@ class DraftDeployment:
     """A draft replica (small-accelerator pool): `serve.batch` gathers concurrent propose calls
     (several verifiers, or a pipelining one) into one drafter batch, run off the event loop."""
 
-    def __init__(self, model: str, dtype: str, spec: str, max_batch: int, max_len: int, torch_threads: int = 1,
-                 lease_s: float = 600.0, overlap: bool = False, branches: int = 3, device: str = "auto",
-                 name: str | None = None, quant: str = "none", prepack: str = "auto", model_name: str | None = None):
+    def __init__(self, config: dict, name: str):
+        """The replica of the config's draft `name` (as `VerifierServer` takes the config)."""
         from actors.build import load_target, make_drafter, ready_drafter
 
-        torch.set_num_threads(torch_threads)
-        target = load_target(model, dtype, max_batch, device, decode_only=True, prepack=prepack)
-        drafter = ready_drafter(make_drafter(spec, target.model, max_batch, max_len), spec, quant, target.prepack)
+        cfg = ClusterConfig.model_validate(config)
+        d = cfg.draft(name)
+        torch.set_num_threads(d.torch_threads)
+        target = load_target(cfg.model, cfg.dtype, d.max_batch, cfg.device, decode_only=True, prepack=cfg.prepack)
+        drafter = ready_drafter(make_drafter(d.spec, target.model, d.max_batch, cfg.max_len), d.spec, d.quant,
+                                target.prepack)
         drafter.warm()
-        self.core = DraftServer(drafter, replica_id(), lease_s, overlap=overlap, branches=branches)
+        self.core = DraftServer(drafter, replica_id(), d.lease_s, overlap=d.overlap, branches=d.overlap_branches)
         start_heap_trim()
         self.node = node_id()
-        self.metrics = DraftMetrics(model_name or model, name or spec, kv=self._kv)
+        self.metrics = DraftMetrics(cfg.served_name, name, kv=self._kv)
 
     def _kv(self) -> tuple[int, int]:
         st = self.core.stats()
         return st["kv_slots_in_use"], st["kv_slots_total"]
 
     @serve.batch(max_batch_size=DRAFT_BATCH, batch_wait_timeout_s=0.0)
-    async def propose(self, calls: list[list[DraftSeq]]) -> list[dict]:
+    async def propose(self, calls: list[list[DraftSeq]]) -> list[DraftAnswer]:
         return await asyncio.to_thread(self.core.propose_batch, calls)
 
     async def release(self, seq_ids: list[int]) -> int:
@@ -86,9 +88,7 @@ def build_app(cfg: ClusterConfig):
                        max_ongoing_requests=max(DRAFT_BATCH, d.max_batch),
                        request_router_config=RequestRouterConfig(
                            request_router_class="cluster.routing.PinnedRouter")))
-        drafts[d.name] = dep.bind(cfg.model, cfg.dtype, d.spec, d.max_batch, cfg.max_len, d.torch_threads,
-                                  d.lease_s, d.overlap, d.overlap_branches, cfg.device, d.name, d.quant,
-                                  cfg.prepack, cfg.served_name)
+        drafts[d.name] = dep.bind(raw, d.name)
     verifier = serve.deployment(VerifierServer).options(
         **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls

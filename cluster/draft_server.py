@@ -45,6 +45,20 @@ class _Block:
     done: bool = False  # every planned branch prepared
 
 
+@dataclass
+class DraftAnswer:
+    """A draft replica's answer to one call: what became of each of the call's rows (indices into
+    its list of sequences) and the proposal for `rows`."""
+    replica: str  # the replica that answered: later calls for these sequences are pinned to it
+    rows: list[int]  # drafted (the proposal's rows, in this order)
+    missing: list[int]  # no state here (a new replica, or expired): re-send from the committed tokens
+    full: list[int]  # new here but no free KV slot: γ=0 this step
+    prepared: list[int]  # of `rows`, answered from a block drafted ahead (overlap)
+    proposal: Proposal | None = None
+    queued_s: float = 0.0  # waiting behind another batch
+    busy_s: float = 0.0  # the batch's propose
+
+
 class DraftServer:
     """Overlap (`overlap=True`, token-level model drafts): after answering a call, a worker thread
     drafts the NEXT block for the verdicts the verifier is most likely to return (all drafts
@@ -75,10 +89,8 @@ class DraftServer:
             drafter.record_topk = branches
             threading.Thread(target=self._worker, name="draft-overlap", daemon=True).start()
 
-    def propose_batch(self, calls: list[list[DraftSeq]]) -> list[dict]:
-        """Answer several calls with one propose. Per call: {"replica", "proposal" (for `rows`),
-        "rows", "missing", "full", "prepared" (rows answered from a prepared verdict), "queued_s",
-        "busy_s"} (indices into the call's list)."""
+    def propose_batch(self, calls: list[list[DraftSeq]]) -> list[DraftAnswer]:
+        """Answer several calls with one propose: a `DraftAnswer` per call."""
         t0 = self.clock()
         self._waiting += 1
         with self._lock:
@@ -90,7 +102,8 @@ class DraftServer:
             room = self.drafter.free_capacity()
             flat: list[DraftSeq] = []
             ready: dict[tuple[int, int], tuple[list[int], torch.Tensor | None]] = {}  # (call, row) -> prepared
-            answers = []
+            answers: list[DraftAnswer] = []
+            drafted: list[list[int]] = []  # per call: its rows drafted in this batch's propose
             for c, seqs in enumerate(calls):
                 rows, missing, full, flat_rows = [], [], [], []
                 for i, s in enumerate(seqs):
@@ -111,21 +124,21 @@ class DraftServer:
                     else:
                         flat_rows.append(i)
                         flat.append(s)
-                answers.append({"replica": self.replica, "rows": rows, "missing": missing, "full": full,
-                                "flat_rows": flat_rows, "prepared": sorted(i for cc, i in ready if cc == c)})
+                answers.append(DraftAnswer(self.replica, rows, missing, full,
+                                           sorted(i for cc, i in ready if cc == c)))
+                drafted.append(flat_rows)
             prop = self.drafter.propose(flat) if flat else None
             busy = self.clock() - t1
             self.busy_s += busy
             first = 0
-            for c, (seqs, a) in enumerate(zip(calls, answers)):
-                flat_rows = a.pop("flat_rows")
+            for c, (seqs, a, flat_rows) in enumerate(zip(calls, answers, drafted)):
                 part = _slice(prop, first, len(flat_rows)) if flat_rows else None
                 first += len(flat_rows)
-                a["proposal"] = _assemble([seqs[i] for i in a["rows"]], a["rows"], flat_rows, part,
-                                          {i: ready[c, i] for i in a["prepared"]})
-                a["queued_s"], a["busy_s"] = t1 - t0, busy
-                if self.overlap and a["proposal"] is not None:
-                    self._remember(seqs, a["rows"], a["proposal"])
+                a.proposal = _assemble([seqs[i] for i in a.rows], a.rows, flat_rows, part,
+                                       {i: ready[c, i] for i in a.prepared})
+                a.queued_s, a.busy_s = t1 - t0, busy
+                if self.overlap and a.proposal is not None:
+                    self._remember(seqs, a.rows, a.proposal)
         if self.overlap:
             self._wake.set()
         return answers
@@ -368,19 +381,19 @@ class RemoteDrafter(Drafter):
                     work.append((rows, self._resync(None, [seqs[i] for i in rows])))
                     continue
                 self.calls += 1
-                self.replica_busy_s += out["busy_s"]
-                self.replica_queued_s += out["queued_s"]
-                self.prepared_rows += len(out.get("prepared", ()))
-                if out["missing"]:
-                    miss = [rows[i] for i in out["missing"]]
-                    work.append((miss, self._resync(out["replica"], [seqs[i] for i in miss])))
-                for i in out["full"]:  # no slot there: γ=0 this step; unpinned, a later step retries
+                self.replica_busy_s += out.busy_s
+                self.replica_queued_s += out.queued_s
+                self.prepared_rows += len(out.prepared)
+                if out.missing:
+                    miss = [rows[i] for i in out.missing]
+                    work.append((miss, self._resync(out.replica, [seqs[i] for i in miss])))
+                for i in out.full:  # no slot there: γ=0 this step; unpinned, a later step retries
                     self.pins.pop(seqs[rows[i]].seq_id, None)
                     self.full_rows += 1
-                prop: Proposal | None = out["proposal"]
-                for j, i in enumerate(out["rows"]):
+                prop = out.proposal
+                for j, i in enumerate(out.rows):
                     b = rows[i]
-                    self.pins[seqs[b].seq_id] = out["replica"]
+                    self.pins[seqs[b].seq_id] = out.replica
                     k = prop.num_draft[j]
                     tokens[b, :k] = prop.tokens[j, :k]
                     num[b] = k

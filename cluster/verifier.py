@@ -48,6 +48,37 @@ class _Ticket:
     sent: int = 0  # tokens delivered so far
 
 
+@dataclass
+class _Admit:
+    """Batcher op: admit a ticket's request."""
+    ticket: _Ticket
+
+
+@dataclass
+class _Drop:
+    """Batcher op: a caller left; free its request's KV here and on its draft."""
+    ticket: _Ticket
+
+
+@dataclass
+class _SetPipeline:
+    """Batcher op: turn pipelining on or off; the future gets None."""
+    on: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass
+class _AbortIds:
+    """Batcher op: end the requests with these ids (finish reason "abort"); the future gets those found."""
+    request_ids: set[str]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+_Op = _Admit | _Drop | _SetPipeline | _AbortIds
+
+
 class VerifierServer:
     RECENT = 64  # steps over which `load` reports the acceptance rate
 
@@ -87,7 +118,7 @@ class VerifierServer:
     async def generate(self, request: Request, timeout_s: float | None = None):
         """Stream one request's `Delta`s; `timeout_s`: seconds it may still run (None: no limit)."""
         t = _Ticket(request, timeout_s, asyncio.get_running_loop(), asyncio.Queue())
-        self.inbox.put(("add", t))
+        self.inbox.put(_Admit(t))
         finished = False
         try:
             while True:
@@ -100,25 +131,25 @@ class VerifierServer:
                     return
         finally:
             if not finished:  # cancelled by the caller: free the KV here and on the draft
-                self.inbox.put(("abort", t))
+                self.inbox.put(_Drop(t))
 
-    async def _on_batcher(self, op: str, arg=None):
+    async def _on_batcher(self, op: type[_SetPipeline] | type[_AbortIds], arg):
         """Run `op` on the batcher thread at the next step boundary; its result."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self.inbox.put((op, (arg, loop, done)))
+        self.inbox.put(op(arg, loop, done))
         return await done
 
     async def set_pipeline(self, on: bool) -> dict:
         """Turn pipelining on or off on this replica at run time (it applies at the next step
         boundary; draft calls already in flight are verified first). Returns stats()."""
-        await self._on_batcher("pipeline", bool(on))
+        await self._on_batcher(_SetPipeline, bool(on))
         return await self.stats()
 
     async def abort_ids(self, request_ids: list[str]) -> list[str]:
         """Abort every request here with one of these ids: its stream ends with finish reason
         "abort" and its KV is freed. Returns the ids found."""
-        return await self._on_batcher("abort_ids", set(request_ids))
+        return await self._on_batcher(_AbortIds, set(request_ids))
 
     def _colocated_kv(self) -> dict:
         """Colocated drafts that hold KV here: name -> (sequences, slots)."""
@@ -172,31 +203,30 @@ class VerifierServer:
             self.engine.abort(t.key)
             self.tickets.pop(t.key, None)
 
-    def _handle(self, op: str, arg) -> None:
-        if op == "add":
-            try:
-                arg.key = self.engine.add_request(arg.request)
-            except ValueError as e:
-                self._deliver(arg, e)
-                return
-            if arg.timeout_s is not None:
-                arg.deadline = time.monotonic() + arg.timeout_s
-            self.tickets[arg.key] = arg
-        elif op == "abort":
-            self._drop(arg)
-        elif op in ("pipeline", "abort_ids"):
-            val, loop, fut = arg
-            result = None
-            if op == "pipeline":
-                self.engine.set_pipeline(val)
-            else:
-                result = []
-                for t in [t for t in self.tickets.values() if t.request.request_id in val]:
+    def _handle(self, op: _Op) -> None:
+        match op:
+            case _Admit(t):
+                try:
+                    t.key = self.engine.add_request(t.request)
+                except ValueError as e:
+                    self._deliver(t, e)
+                    return
+                if t.timeout_s is not None:
+                    t.deadline = time.monotonic() + t.timeout_s
+                self.tickets[t.key] = t
+            case _Drop(t):
+                self._drop(t)
+            case _SetPipeline(on, loop, fut):
+                self.engine.set_pipeline(on)
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+            case _AbortIds(ids, loop, fut):
+                found = []
+                for t in [t for t in self.tickets.values() if t.request.request_id in ids]:
                     self._drop(t)
                     self._deliver(t, Delta(t.request.request_id, [], "", finish_reason="abort",
                                            prompt_tokens=len(t.request.prompt_ids), completion_tokens=t.sent))
-                    result.append(t.request.request_id)
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+                    found.append(t.request.request_id)
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(found))
 
     def _loop(self) -> None:
         eng = self.engine
@@ -204,15 +234,14 @@ class VerifierServer:
             block = not eng.has_work()
             try:
                 while True:  # requests join (and leave) at step boundaries; idle, it wakes to re-send the gauges
-                    op, arg = self.inbox.get(block=block, timeout=GAUGE_REFRESH_S if block else None)
+                    op = self.inbox.get(block=block, timeout=GAUGE_REFRESH_S if block else None)
                     block = False
                     try:
-                        self._handle(op, arg)
+                        self._handle(op)
                     except Exception as e:  # the batcher goes on; a caller waiting on the op learns why
-                        log.exception("batcher op %s failed", op)
-                        if op in ("pipeline", "abort_ids"):
-                            _, loop, fut = arg
-                            loop.call_soon_threadsafe(lambda err=e: fut.done() or fut.set_exception(err))
+                        log.exception("batcher op %s failed", type(op).__name__)
+                        if isinstance(op, (_SetPipeline, _AbortIds)):
+                            op.loop.call_soon_threadsafe(lambda err=e, f=op.future: f.done() or f.set_exception(err))
             except queue.Empty:
                 pass
             now = time.monotonic()

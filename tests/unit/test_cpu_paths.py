@@ -140,8 +140,11 @@ def test_the_demo_replicas_start_and_keep_their_output_with_the_fast_paths_off(c
     raw["verifier"]["max_batch"] = 4  # fewer grid points to calibrate; the rest as configured
     for d in raw["drafts"]:
         d["placement"] = "colocated"  # no Ray here: the self-draft runs beside the target
-    remote = cfg.draft("truncated:4")
-    replica = DraftDeployment(cfg.model, cfg.dtype, remote.spec, 2, cfg.max_len, device="cpu")
+    draft_raw = {**cfg.model_dump(mode="json"), "device": "cpu"}
+    for d in draft_raw["drafts"]:
+        if d["name"] == "truncated:4":
+            d["max_batch"] = 2
+    replica = DraftDeployment(draft_raw, "truncated:4")  # as the config's remote draft deploys
     assert not replica.core.drafter.runner.prepacked
     server = VerifierServer(raw)
     eng = server.engine

@@ -134,13 +134,13 @@ def test_state_of_a_dead_verifier_expires_after_the_lease(tiny):
     rep = replica(tiny, "a", 2, lease_s=60.0, clock=lambda: now[0])
     ctx = rand_tokens(8, 5)
     first = rep.propose_batch([[DraftSeq(seq_id=1, keep=0, new_tokens=ctx, gamma=2)]])[0]
-    assert first["rows"] == [0] and rep.drafter.num_active() == 1
+    assert first.rows == [0] and rep.drafter.num_active() == 1
     now[0] = 61.0  # its verifier never calls again
     other = rep.propose_batch([[DraftSeq(seq_id=2, keep=0, new_tokens=ctx, gamma=2)]])[0]
-    assert other["rows"] == [0] and rep.expired == 1 and rep.drafter.view_length(1) is None
+    assert other.rows == [0] and rep.expired == 1 and rep.drafter.view_length(1) is None
     # had the sequence come back, it would be told to re-sync rather than served stale state
     back = rep.propose_batch([[DraftSeq(seq_id=1, keep=len(ctx) + 2, new_tokens=[7], gamma=2)]])[0]
-    assert back["missing"] == [0] and back["proposal"] is None
+    assert back.missing == [0] and back.proposal is None
 
 
 def test_concurrent_calls_are_one_drafter_batch(tiny):
@@ -154,9 +154,9 @@ def test_concurrent_calls_are_one_drafter_batch(tiny):
     assert calls == [3]
     solo = replica(tiny, "s", 4)
     for call, got in zip((a, b), ans):
-        want = solo.propose_batch([call])[0]["proposal"]
-        assert got["proposal"].num_draft == want.num_draft
-        assert [got["proposal"].tokens[i, :k].tolist() for i, k in enumerate(want.num_draft)] == \
+        want = solo.propose_batch([call])[0].proposal
+        assert got.proposal.num_draft == want.num_draft
+        assert [got.proposal.tokens[i, :k].tolist() for i, k in enumerate(want.num_draft)] == \
             [want.tokens[i, :k].tolist() for i, k in enumerate(want.num_draft)]
 
 
@@ -189,7 +189,7 @@ def test_expiry_drops_every_trace_of_an_overlapped_sequence(tiny):
     rep = overlapped(tiny, 2, lease_s=60.0, clock=lambda: now[0])
     ctx = rand_tokens(8, 5)
     first = rep.propose_batch([[DraftSeq(seq_id=1, keep=0, new_tokens=ctx, gamma=2)]])[0]
-    k = first["proposal"].num_draft[0]
+    k = first.proposal.num_draft[0]
     rep.settle()
     rep.propose_batch([[DraftSeq(seq_id=1, keep=len(ctx) + k, new_tokens=[7], gamma=2)]])
     rep.settle()
