@@ -109,8 +109,9 @@ class DeploymentSpec(_Strict):
 
 
 class DraftConfig(DeploymentSpec):
-    """One draft. `spec` uses the engine's draft names: ngram[:N], truncated:K, `default` (the
-    shipped distilled head) or a model path. `placement` says where it runs:
+    """One draft. `spec` uses the engine's draft names (`actors.build`): ngram[:N] or ngram:MIN-MAX,
+    truncated:K, `default` (the head shipped for the target; n-gram where none ships), or a draft
+    model's or an EAGLE head's directory or hub id. `placement` says where it runs:
       colocated  inside each verifier replica, on its device: no hop. Right for n-gram (a hop
                  costs more than the lookup) and feature heads (they read the target's hidden
                  states, which would otherwise cross the network every step).
