@@ -53,14 +53,12 @@ class Flight:
                 tg = time.perf_counter()
                 prop = wait()
                 self.group_s.append((name, rows, self.own_s.get(name, 0.0) + time.perf_counter() - tg))
-                tokens = prop.tokens.tolist()
-                for i, b in enumerate(rows):
-                    k = prop.num_draft[i]
-                    drafts[b] = tokens[i][:k]
-                    if prop.parents is not None and prop.parents[i] is not None and k:
-                        self.parents[b] = prop.parents[i][:k]
-                    if prop.probs is not None and not self.seqs[b].req.sampling.greedy:
-                        self.probs[b] = prop.probs[i, :k]
+                for b, row in zip(rows, prop.rows()):
+                    drafts[b] = row.tokens
+                    if row.parents is not None:
+                        self.parents[b] = row.parents
+                    if row.probs is not None and not self.seqs[b].req.sampling.greedy:
+                        self.probs[b] = row.probs
         except BaseException as e:
             self.error = e
             raise

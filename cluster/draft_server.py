@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from actors.drafters.base import Drafter, DraftSeq, Proposal, apply_view
+from actors.drafters.base import Drafter, DraftSeq, Proposal, RowDraft, apply_view
 
 log = logging.getLogger("specd")
 
@@ -307,32 +307,9 @@ def _assemble(seqs: list[DraftSeq], rows: list[int], drafted: list[int], part: P
         return None
     if not ready:
         return part
-    parents = [None] * len(rows)
-    G = max(max(s.gamma, s.tree) for s in seqs)
-    tokens = torch.zeros(len(rows), G, dtype=torch.long)
-    num = [0] * len(rows)
-    V = next((p.shape[-1] for _, p in ready.values() if p is not None), None)
-    if part is not None and part.probs is not None:
-        V = part.probs.shape[-1]
-    probs = torch.zeros(len(rows), G, V) if V is not None else None
-    pos = {i: j for j, i in enumerate(drafted)}
-    for r, i in enumerate(rows):
-        if i in ready:
-            drafts, p = ready[i]
-            num[r] = len(drafts)
-            tokens[r, :num[r]] = torch.tensor(drafts, dtype=torch.long)
-            if p is not None:
-                probs[r, :num[r]] = p
-        else:
-            j = pos[i]
-            num[r] = part.num_draft[j]
-            tokens[r, :num[r]] = part.tokens[j, :num[r]]
-            if part.probs is not None:
-                probs[r, :num[r]] = part.probs[j, :num[r]]
-            if part.parents is not None:
-                parents[r] = part.parents[j]
-    return Proposal(tokens=tokens, num_draft=num, probs=probs,
-                    parents=parents if any(p is not None for p in parents) else None)
+    fresh = dict(zip(drafted, part.rows())) if part is not None else {}
+    return Proposal.stack([RowDraft(*ready[i]) if i in ready else fresh[i] for i in rows],
+                          max(max(s.gamma, s.tree) for s in seqs))
 
 
 class RemoteDrafter(Drafter):
@@ -362,11 +339,7 @@ class RemoteDrafter(Drafter):
                    for rows in self._groups(seqs)]
 
         def wait() -> Proposal:
-            G = max(max(s.gamma, s.tree) for s in seqs)
-            tokens = torch.zeros(len(seqs), G, dtype=torch.long)
-            num = [0] * len(seqs)
-            probs = None
-            parents: list[list[int] | None] = [None] * len(seqs)
+            out_rows = [RowDraft([]) for _ in seqs]  # a row no replica drafted (missing, full): none
             work = list(pending)
             attempts = 0
             while work:
@@ -390,23 +363,13 @@ class RemoteDrafter(Drafter):
                 for i in out.full:  # no slot there: γ=0 this step; unpinned, a later step retries
                     self.pins.pop(seqs[rows[i]].seq_id, None)
                     self.full_rows += 1
-                prop = out.proposal
-                for j, i in enumerate(out.rows):
+                for i, row in zip(out.rows, out.proposal.rows() if out.rows else []):
                     b = rows[i]
                     self.pins[seqs[b].seq_id] = out.replica
-                    k = prop.num_draft[j]
-                    tokens[b, :k] = prop.tokens[j, :k]
-                    num[b] = k
-                    if prop.probs is not None:
-                        if probs is None:
-                            probs = torch.zeros(len(seqs), G, prop.probs.shape[-1])
-                        probs[b, :k] = prop.probs[j, :k]
-                    if prop.parents is not None and prop.parents[j] is not None:
-                        parents[b] = prop.parents[j]  # a tree: the replica's view stays the committed tokens
-                    else:
-                        self.mirror[seqs[b].seq_id].extend(prop.tokens[j, :k].tolist())
-            return Proposal(tokens=tokens, num_draft=num, probs=probs,
-                            parents=parents if any(p is not None for p in parents) else None)
+                    out_rows[b] = row
+                    if row.parents is None:  # a chain (a tree leaves the replica's view at the committed tokens)
+                        self.mirror[seqs[b].seq_id].extend(row.tokens)
+            return Proposal.stack(out_rows, max(max(s.gamma, s.tree) for s in seqs))
 
         return wait
 

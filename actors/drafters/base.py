@@ -76,6 +76,40 @@ class Proposal:
     # last committed token). None, or a None entry: the row's tokens are a chain.
     parents: list[list[int] | None] | None = None
 
+    def rows(self) -> list["RowDraft"]:
+        """Each row's drafts on their own (one transfer of the tokens for all rows)."""
+        tokens = self.tokens.tolist()
+        return [RowDraft(tokens[i][:k], None if self.probs is None else self.probs[i, :k],
+                         self.parents[i][:k] if self.parents is not None and self.parents[i] is not None and k
+                         else None)
+                for i, k in enumerate(self.num_draft)]
+
+    @classmethod
+    def stack(cls, rows: list["RowDraft"], width: int) -> "Proposal":
+        """Rows (e.g. gathered from several proposals) as one proposal, padded to `width` drafts;
+        probs wherever some row has them (zeros for a row without), no topk."""
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        vocab = next((r.probs.shape[-1] for r in rows if r.probs is not None), None)
+        probs = None if vocab is None else torch.zeros(len(rows), width, vocab)
+        for b, r in enumerate(rows):
+            k = len(r.tokens)
+            if k:
+                tokens[b, :k] = torch.tensor(r.tokens, dtype=torch.long)
+            if r.probs is not None:
+                probs[b, :k] = r.probs
+        parents = [r.parents for r in rows]
+        return cls(tokens=tokens, num_draft=[len(r.tokens) for r in rows], probs=probs,
+                   parents=parents if any(p is not None for p in parents) else None)
+
+
+@dataclass
+class RowDraft:
+    """One row of a `Proposal`: its drafted tokens, their draft distributions [k, V] and, for a
+    token tree, each node's parent (see `Proposal.parents`; None: a chain)."""
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
 
 class Drafter(ABC):
     """Proposes draft tokens for a batch of sequences.

@@ -273,3 +273,23 @@ def test_feature_columns_pick_each_drafters_layers_from_the_kept_union():
     assert isinstance(scattered, torch.Tensor)
     assert row[:, scattered].tolist() == [[0, 1, 2, 6, 7, 8, 9, 10, 11]]
     assert row[:, feature_columns(kept, (-1,), E)].tolist() == [[9, 10, 11]]
+
+
+def test_a_proposal_taken_apart_by_row_and_stacked_back_is_the_same():
+    """`Proposal.rows` / `Proposal.stack`, the one take/scatter the engine's flights, the draft server
+    and the remote drafter share: rows of different lengths, a tree row, probs, rows reordered."""
+    from actors.drafters.base import Proposal
+
+    torch.manual_seed(0)
+    probs = torch.rand(3, 4, 5)
+    prop = Proposal(tokens=torch.tensor([[7, 8, 9, 0], [4, 0, 0, 0], [1, 2, 3, 5]]), num_draft=[3, 1, 4], probs=probs,
+                    parents=[None, None, [0, 1, 1, 2]])
+    rows = prop.rows()
+    assert [r.tokens for r in rows] == [[7, 8, 9], [4], [1, 2, 3, 5]]
+    assert [r.parents for r in rows] == [None, None, [0, 1, 1, 2]]
+    back = Proposal.stack([rows[2], rows[0], rows[1]], 4)
+    assert back.num_draft == [4, 3, 1] and back.tokens.tolist() == [[1, 2, 3, 5], [7, 8, 9, 0], [4, 0, 0, 0]]
+    assert back.parents == [[0, 1, 1, 2], None, None]
+    assert torch.equal(back.probs[1, :3], probs[0, :3]) and not back.probs[2, 1:].any()
+    chains = Proposal.stack([rows[0], rows[1]], 3)
+    assert chains.parents is None and chains.tokens.shape == (2, 3)
