@@ -75,7 +75,7 @@ class DraftServer:
         self.calls = self.batches = self.expired = 0
         self.busy_s = 0.0  # time spent proposing for callers
         self._lock = threading.Lock()  # the drafter's KV and views are not thread-safe
-        self.overlap = overlap and not drafter.wants_hidden and hasattr(drafter, "set_view")
+        self.overlap = overlap and not drafter.wants_hidden and drafter.rebases_views
         self.branches = branches
         self.blocks: dict[int, _Block] = {}
         self.alpha: dict[int, float] = {}  # per sequence: EMA of the accepted share of its blocks

@@ -69,7 +69,7 @@ class Proposal:
     # coupled need none (their verification is an exact match).
     probs: torch.Tensor | None = None  # float32 [B, G, V]
     # The draft's K likeliest tokens at each drafted position, when the drafter was asked
-    # (ModelDrafter.record_topk): a draft server uses them to guess the verifier's verdict.
+    # (Drafter.record_topk): a draft server uses them to guess the verifier's verdict.
     topk: torch.Tensor | None = None  # int64 [B, G, K]
     # Token trees: parents[b] lists, for each of row b's num_draft[b] proposed tokens (nodes in
     # feed order), the index of its parent among [root, node 1, node 2, ...] (0 = the root, the
@@ -124,6 +124,10 @@ class Drafter(ABC):
       free_drafting proposing costs next to nothing (n-gram lookup): the speculation policy
                     may shadow-draft with it on every step.
       tree_drafting it proposes token trees when DraftSeq.tree > 0 (Proposal.parents).
+      rebases_views it keeps KV behind each sequence's token view, which `set_view` can move to
+                    another view (a prefix of it stays valid), and proposals carry the K
+                    likeliest tokens per position when `record_topk` = K > 0: what a draft
+                    server's overlap (drafting ahead for likely verdicts) needs.
     """
 
     name: str = "drafter"
@@ -131,6 +135,8 @@ class Drafter(ABC):
     asynchronous: bool = False
     free_drafting: bool = False
     tree_drafting: bool = False
+    rebases_views: bool = False
+    record_topk: int = 0  # > 0 (a drafter that rebases views): proposals carry Proposal.topk
 
     @property
     def wants_hidden(self) -> bool:
@@ -162,6 +168,11 @@ class Drafter(ABC):
     def free_capacity(self) -> int | None:
         """How many more sequences it can take state for; None = no limit."""
         return None
+
+    def set_view(self, seq_id: int, tokens: list[int], kv_valid: int) -> None:
+        """Make `tokens` the sequence's view, its first `kv_valid` positions' KV still valid
+        (drafters that rebase views only)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rebase views")
 
     def view_length(self, seq_id: int) -> int | None:
         """Tokens in this drafter's view of a sequence, or None if it holds no state for it

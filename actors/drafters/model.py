@@ -40,7 +40,6 @@ class ModelDrafter(Drafter):
         self.gens: dict[int, torch.Generator] = {}
         self.free = list(range(max_batch))
         self._noise_gen = new_generator(runner.device)  # re-seeded per (request, position)
-        self.record_topk = 0  # > 0: proposals carry the K likeliest tokens per position (Proposal.topk)
 
     @classmethod
     def truncated(cls, target_hf, num_layers: int, **kw) -> "ModelDrafter":
@@ -58,6 +57,7 @@ class ModelDrafter(Drafter):
         return slot
 
     tree_drafting = True
+    rebases_views = True
     TREE_BRANCH = 4  # children expanded per frontier node, and frontier nodes kept per depth
 
     @torch.inference_mode()
