@@ -420,11 +420,11 @@ def _stored_dtype(spec: str) -> str:
     """"bf16" where the model's checkpoint holds bf16 weights (its config says so), else "fp32"."""
     from transformers import AutoConfig
 
-    from .models import EMBEDDED, resolve_model_path
+    from .models import EMBEDDED, META_FILES
 
     if spec == EMBEDDED or spec.startswith("tiny"):
         return "fp32"  # the dequantised embedded model, random test models
-    cfg = AutoConfig.from_pretrained(resolve_model_path(spec))
+    cfg = AutoConfig.from_pretrained(resolve_model_path(spec, META_FILES))
     stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     return "bf16" if str(stored).replace("torch.", "") in ("bfloat16", "bf16") else "fp32"
 

@@ -386,6 +386,7 @@ class LlamaRunner:
             anc = tree.anc.gather(2, idx)  # [B, T, end]
             full = ((offs < 0)[:, None, :] | (in_block[:, None, :] & anc))[:, None]  # [B, 1, T, end]
         masks = {None: (full, 0)}
+        dist = None  # tree rows: each query's distance to each key, for every window alike
         for W in self.windows:
             if end <= W:  # no query is W positions past any key
                 masks[W] = (full, 0)
@@ -395,12 +396,13 @@ class LlamaRunner:
                 k, p = keys[lo:][None, None, :], positions[:, :, None]
                 masks[W] = (None if uniform else ((k <= p) & (k > p - W))[:, None], lo)  # [B, 1, T, end - lo]
                 continue
-            # A tree node's distance to a key: along its path inside the block (the path nodes after the
-            # key, up to the node itself), to the context before it by RoPE positions.
-            anc_l = tree.anc.long()
-            after = anc_l.flip(-1).cumsum(-1).flip(-1) - anc_l  # [B, T, U]
-            dist = torch.where(in_block[:, None, :], after.gather(2, idx),
-                               rope_pos[:, :, None] - keys[None, None, :])  # [B, T, end]
+            if dist is None:
+                # A tree node's distance to a key: along its path inside the block (the path nodes after
+                # the key, up to the node itself), to the context before it by RoPE positions.
+                anc_l = tree.anc.long()
+                after = anc_l.flip(-1).cumsum(-1).flip(-1) - anc_l  # [B, T, U]
+                dist = torch.where(in_block[:, None, :], after.gather(2, idx),
+                                   rope_pos[:, :, None] - keys[None, None, :])  # [B, T, end]
             lo = max(0, min(starts) - tree.past - W + 1)
             masks[W] = ((full[:, 0] & (dist < W))[:, None, :, lo:], lo)
         return masks

@@ -329,23 +329,27 @@ def small_models():
 DIST_PROMPT = [1, 5, 3, 6]
 
 
-@pytest.fixture(scope="module")
-def exact_law(small_models):
-    """Exact joint law of the first 4 tokens under ancestral sampling from the target at
-    temperature 1, from the HF forward: P(t1..t4) = prod_i softmax(logits_i)[t_i]."""
-    model = small_models[0].model
-    prefixes = torch.tensor(list(itertools.product(range(V_SMALL), repeat=3)))  # [V^3, 3]
+def exact_law_of(model) -> torch.Tensor:
+    """Exact joint law [V, V, V, V] of the first 4 tokens after DIST_PROMPT under ancestral sampling
+    from `model` at temperature 1, from the HF forward: P(t1..t4) = prod_i softmax(logits_i)[t_i]."""
+    V = V_SMALL
+    prefixes = torch.tensor(list(itertools.product(range(V), repeat=3)))  # [V^3, 3]
     ids = torch.cat([torch.tensor(DIST_PROMPT).expand(len(prefixes), -1), prefixes], 1)
     with torch.inference_mode():
         logp = model(ids).logits.double().log_softmax(-1)[:, len(DIST_PROMPT) - 1:]  # [V^3, 4, V]
-    V = V_SMALL
     lp1 = logp[0, 0]  # same prompt for every row
     lp2 = logp[:, 1].view(V, V, V, V)[:, 0, 0]  # [t1, t2]
     lp3 = logp[:, 2].view(V, V, V, V)[:, :, 0]  # [t1, t2, t3]
     lp4 = logp[:, 3].view(V, V, V, V)  # [t1, t2, t3, t4]
     joint = (lp1[:, None, None, None] + lp2[:, :, None, None] + lp3[:, :, :, None] + lp4).exp()
     assert abs(float(joint.sum()) - 1) < 1e-9
-    return joint  # [V, V, V, V]
+    return joint
+
+
+@pytest.fixture(scope="module")
+def exact_law(small_models):
+    """The target's exact law (`exact_law_of`)."""
+    return exact_law_of(small_models[0].model)
 
 
 def sample_first_tokens(target, draft, name, gamma, seed0, n=N_DIST):

@@ -12,11 +12,8 @@ models' logits reach it), scaled rope. A runner that drops
 Gemma2's final soft-capping fails the same check."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
-import torch
-from test_engine import DIST_PROMPT, N_DIST, P_MIN, V_SMALL, law_pvalues, sample_first_tokens
+from test_engine import N_DIST, P_MIN, V_SMALL, exact_law_of, law_pvalues, sample_first_tokens
 from test_families import GEMMA, LLAMA3, family, rope
 
 from actors.llama import LlamaRunner, linear
@@ -34,23 +31,6 @@ CASES = {
     "gemma3": ("gemma3_text", {**GEMMA, "sliding_window": SW, "final_logit_softcapping": 1.5,
                                "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
-
-
-def exact_law_of(model) -> torch.Tensor:
-    """The exact joint law [V, V, V, V] of the first 4 tokens after DIST_PROMPT at temperature 1, from
-    the HF forward (test_engine's `exact_law`, for any model)."""
-    V = V_SMALL
-    prefixes = torch.tensor(list(itertools.product(range(V), repeat=3)))  # [V^3, 3]
-    ids = torch.cat([torch.tensor(DIST_PROMPT).expand(len(prefixes), -1), prefixes], 1)
-    with torch.inference_mode():
-        logp = model(ids).logits.double().log_softmax(-1)[:, len(DIST_PROMPT) - 1:]  # [V^3, 4, V]
-    lp1 = logp[0, 0]
-    lp2 = logp[:, 1].view(V, V, V, V)[:, 0, 0]
-    lp3 = logp[:, 2].view(V, V, V, V)[:, :, 0]
-    lp4 = logp[:, 3].view(V, V, V, V)
-    joint = (lp1[:, None, None, None] + lp2[:, :, None, None] + lp3[:, :, :, None] + lp4).exp()
-    assert abs(float(joint.sum()) - 1) < 1e-9
-    return joint
 
 
 def small(name: str) -> LoadedModel:
