@@ -26,9 +26,10 @@ the first to continue an old one stays in that member's slot (its accepted nodes
 place, like a tree path); a second child of the same beam takes the slot of a beam that died, and
 its KV is copied there (copy-on-fork: the prompt is copied once per member when the search starts,
 and a fork copies its whole prefix). A member's drafter rolls back to the longest common prefix of
-what it drafted from and the beam it now carries.
+what it drafted from and the beam it now carries (`DraftView.rebase`).
 
-Does not know: models, KV caches or drafters; the engine feeds it log-probabilities per node.
+Does not know: models or drafters; the engine feeds it log-probabilities per node, and the KV
+cache and the features store to move beams between slots.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from .acceptance import depths
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -148,7 +151,80 @@ def advance(search: BeamSearch, log_probs: Callable[[int, int], torch.Tensor],
 
 @dataclass(eq=False)
 class BeamGroup:
-    """A beam request in the engine: members[i] carries running beam i of `search`."""
+    """A beam request in the engine: members[i] carries running beam i of `search`; the group
+    does the KV surgery that moves beams between the members' slots."""
     search: BeamSearch
     leader: "Sequence"  # the member keyed by the request's key (it stays one of the members)
     members: list["Sequence"]
+
+    def start(self, cache, features, logits: torch.Tensor) -> None:
+        """The prompt is prefilled in the leader's slot: take the first beam step from its last
+        logits [V], and give every member the prompt's KV (copy-on-fork)."""
+        lead = self.leader
+        lp = torch.log_softmax(logits.float(), -1)
+        adv = advance(self.search, lambda i, node: lp, [{} for _ in self.members])
+        n = cache.lengths[lead.slot]  # the prompt
+        for m, a in zip(self.members, adv):
+            if m is not lead:
+                cache.fork(lead.slot, m.slot, n, [])
+                if features is not None:
+                    features.copy(lead.slot, m.slot, features.length[lead.slot])
+                m.prefilled = m.num_prompt
+            m.tokens = list(m.req.prompt_ids) + a.tokens
+        lead.stats.record(0, 0)
+
+    def verified(self, cache, features, rows: list, logits: torch.Tensor, feats: torch.Tensor | None,
+                starts: list[int]) -> None:
+        """After a pass: take every beam step the drafts allow (`advance`), then rebuild each
+        member's KV, features, tokens and drafter view for the beam it now carries.
+        rows[i]: member i's `acceptance.Row`; logits [len(rows), G+1, V] and feats [.., G+1, F*E]
+        (or None) their rows of the pass; starts[i]: member i's KV length before it."""
+        lp = torch.log_softmax(logits, -1)  # [B, G+1, V]
+        kids = []
+        for r in rows:
+            ch: dict[int, dict[int, int]] = {}
+            for i, (par, tok) in enumerate(zip(r.parents if r.parents is not None else range(len(r.drafts)),
+                                               r.drafts), start=1):
+                ch.setdefault(par, {}).setdefault(tok, i)
+            kids.append(ch)
+        adv = advance(self.search, lambda i, node: lp[i, node], kids)
+        # A new beam continues in its origin's slot if it is the origin's first child; the others
+        # take the slots of beams that died.
+        owner: list[int | None] = [None] * len(adv)
+        taken: set[int] = set()
+        for j, a in enumerate(adv):
+            if a.origin not in taken:
+                owner[j] = a.origin
+                taken.add(a.origin)
+        spare = [i for i in range(len(adv)) if i not in taken]
+        owner = [o if o is not None else spare.pop() for o in owner]
+        mem, old = self.members, [list(m.tokens) for m in self.members]
+        for j, a in enumerate(adv):  # forks first: they read the origins' KV before it is compacted
+            if owner[j] != a.origin:
+                src, dst, n = mem[a.origin], mem[owner[j]], starts[a.origin]
+                cache.fork(src.slot, dst.slot, n, [0] + a.nodes)
+                if features is not None:
+                    features.copy(src.slot, dst.slot, n)
+        for j, a in enumerate(adv):
+            if owner[j] == a.origin:
+                m, n = mem[a.origin], starts[a.origin]
+                cache.compact(m.slot, n, [0] + a.nodes)
+                cache.truncate(m.slot, n + 1 + len(a.nodes))
+        for j, a in enumerate(adv):
+            m, r = mem[owner[j]], rows[owner[j]]
+            if feats is not None:
+                features.keep(m.slot, feats[a.origin, [0] + a.nodes])
+            new = old[a.origin] + a.tokens
+            m.view.rebase(old[owner[j]], r.drafts if r.parents is None else [], new)  # its view: old + its chain
+            m.tokens = new
+        self.members = [mem[o] for o in owner]
+        depth = max((max(depths(r.parents)) if r.parents is not None else len(r.drafts) for r in rows), default=0)
+        # one beam's drafts (the widest): acceptance reads as "beam steps taken from drafts per draft"
+        self.leader.stats.record(max(len(r.drafts) for r in rows), len(adv[0].tokens) - 1, depth)
+        self.leader.stats.draft_s += max(r.draft_s for r in rows)
+
+    def result(self) -> tuple[list[int], str]:
+        """The search is over: the best finished hypothesis and its finish reason."""
+        best = self.search.result()
+        return list(best.tokens), "stop" if best.tokens and best.tokens[-1] in self.search.eos else "length"
+

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from . import cpu
-from .calibrate import TOKENS, PassCost, calibrated, choose_dtype, hardware
+from .calibrate import TOKENS, PassCost, calibrated, choose_dtype
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
+from .hardware import hardware
 from .llama import FUSED_PREFIX, PACKABLE, LlamaRunner
 from .models import (
     DRAFT_HUB_FILES,

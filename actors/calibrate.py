@@ -18,7 +18,6 @@ import bisect
 import hashlib
 import json
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,47 +25,13 @@ from pathlib import Path
 import torch
 
 from . import cpu
+from .hardware import hardware
 from .llama import LlamaRunner, context_features
 
-FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 BATCHES = (1, 2, 4, 8, 16, 32)  # the grid, capped at the engine's max_batch (which is always included)
 TOKENS = (1, 2, 3, 5, 9)  # tokens per row: 1 + γ for γ = 0, 1, 2, 4, 8
 MAX_GRID_TOKENS = 64  # wider points are extrapolated (a pass that wide is compute-bound: linear in T)
 CONTEXT = 128  # positions already in each row's KV while timing
-
-
-def hardware(device: str | torch.device = "cpu") -> dict:
-    """What this process computes on: the GPU's name, or the CPU model and its matmul flags,
-    plus the torch version and intra-op threads (both change pass costs)."""
-    dev = torch.device(device)
-    info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    if dev.type == "cuda":
-        return {**info, "device": "cuda", "name": torch.cuda.get_device_name(dev)}
-    name, flags, ident = platform.processor() or "cpu", set(), {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, val = line.partition(":")
-            key, val = key.strip(), val.strip()
-            if key == "model name" and name in ("cpu", platform.processor()):
-                name = val
-            elif key in ("cpu family", "model", "stepping") and key not in ident:
-                ident[key] = val
-            elif key == "flags" and not flags:
-                flags = set(val.split())
-    except OSError:  # not Linux: the model name alone
-        pass
-    return {**info, "device": "cpu", "name": name, **{k.replace(" ", "_"): v for k, v in ident.items()},
-            "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count()}
-
-
-def hardware_line(hw: dict) -> str:
-    """One line for logs and GetStats: 'AMD EPYC (avx2, fma), 2 cores, 1 thread'."""
-    if not hw:
-        return ""
-    if hw.get("device") == "cuda":
-        return f"{hw['name']} (cuda), torch {hw['torch']}"
-    return (f"{hw.get('name', 'cpu')} ({', '.join(hw.get('flags', [])) or 'no avx2'}), {hw.get('cores')} cores, "
-            f"{hw.get('threads')} thread{'s' if hw.get('threads', 1) != 1 else ''}, torch {hw.get('torch')}")
 
 
 @dataclass

@@ -112,7 +112,7 @@ def require(name: str, setting: str, instead: str) -> None:
     p = probe(name)
     if p.ok:
         return
-    from .calibrate import hardware, hardware_line
+    from .hardware import hardware, hardware_line
 
     raise ValueError(f"{setting} needs {PATHS[name]}, which this CPU cannot run: {p.reason}. "
                      f"This CPU: {hardware_line(hardware('cpu'))}. Set {instead} instead.")

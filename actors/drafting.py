@@ -2,10 +2,11 @@
 
 `launch` groups sequences by drafter and hands each drafter its rows as `DraftSeq`s
 (the rollback point, the committed tokens it has not seen, γ, the sampling
-parameters, and for feature drafters the target's hidden states). Asynchronous
-drafters (draft replicas) get their calls sent and answer later; the rest propose
-in the calling thread. `Flight.resolve` waits for every answer once and keeps the
-drafts per row.
+parameters, and for feature drafters the target's hidden states from `Features`).
+Asynchronous drafters (draft replicas) get their calls sent and answer later; the
+rest propose in the calling thread. `Flight.resolve` waits for every answer once and
+keeps the drafts per row; `gather` turns the resolved flights of a pass's rows into
+its `acceptance.VerifyBatch`.
 
 Does not know: the target, acceptance, or when the drafts are verified (the engine
 verifies at once; micro-batch pipelining verifies a flight one step later).
@@ -18,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .acceptance import Row, VerifyBatch
 from .drafters.base import Drafter, DraftSeq, Proposal
 from .sequence import Sequence
 
@@ -68,6 +70,55 @@ class Flight:
         self.wait_s = self.done_at - t0
 
 
+def gather(seqs: list[Sequence], flights: dict[int, Flight]) -> VerifyBatch:
+    """The verify batch of `seqs` (in pass order) from their resolved flights (by sequence key):
+    each row's drafts, tree parents, draft probabilities and draft seconds, its shadow drafts set
+    aside, and each drafter call's rows renumbered to the batch."""
+    rows, where = [], {}
+    for b, s in enumerate(seqs):
+        f = flights[s.key]
+        i = where.setdefault(id(f), {id(x): i for i, x in enumerate(f.seqs)})[id(s)]
+        d = f.drafts[i]
+        shadow = bool(f.shadow) and f.shadow[i]
+        rows.append(Row(s, [] if shadow else d, f.parents.get(i), f.probs.get(i), f.launch_s + f.wait_s,
+                        shadow=d if shadow and d else None))
+    at = {id(s): b for b, s in enumerate(seqs)}
+    groups = []
+    seen = set()
+    for s in seqs:
+        f = flights[s.key]
+        if id(f) not in seen:
+            seen.add(id(f))
+            groups += [(name, [at[id(f.seqs[i])] for i in frows if id(f.seqs[i]) in at], sec)
+                       for name, frows, sec in f.group_s]
+    return VerifyBatch(rows, groups)
+
+
+class Features:
+    """The target's features of committed tokens, per KV slot, for feature-level drafters
+    (EAGLE heads): every layer any of them reads (`layers`), concatenated; they reach each
+    drafter, cut to its own layers (`columns`), with the rollback information."""
+
+    def __init__(self, layers: tuple[int, ...], slots: int, positions: int, width: int, dtype, device):
+        self.layers = layers
+        self.buf = torch.zeros(slots, positions, len(layers) * width, dtype=dtype, device=device)  # [S, P, F * E]
+        self.length = [0] * slots  # committed tokens whose features are in buf
+
+    def keep(self, slot: int, h: torch.Tensor) -> None:
+        """Append the features [n, F * E] of newly committed tokens (all but the last one)."""
+        n = self.length[slot]
+        self.buf[slot, n:n + len(h)] = h
+        self.length[slot] = n + len(h)
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Slot dst now holds src's first n tokens (a beam fork)."""
+        self.buf[dst, :n] = self.buf[src, :n]
+        self.length[dst] = n
+
+    def clear(self, slot: int) -> None:
+        self.length[slot] = 0
+
+
 def feature_union(drafters) -> tuple[int, ...]:
     """Every target feature layer some drafter reads: decoder layers in order, then -1 (final)."""
     layers = {i for d in drafters for i in d.feature_layers}
@@ -88,15 +139,15 @@ def feature_columns(kept: tuple[int, ...], wanted: tuple[int, ...], width: int,
 
 
 def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter],
-           hidden_buf: torch.Tensor | None, asynchronous: bool, trees: list[int] | None = None,
+           features: Features | None, asynchronous: bool, trees: list[int] | None = None,
            columns: dict[str, slice | torch.Tensor | None] | None = None,
            shadow: list[bool] | None = None) -> Flight:
     """Ask each sequence's drafter for up to gammas[b] tokens (rows with γ 0 get none), as a
     token tree of at most trees[b] nodes where that is > 0; shadow[b]: row b's drafts will only
     be compared with what the target commits, never verified (`DraftSeq.shadow`).
     asynchronous: asynchronous drafters only send their calls; otherwise every drafter
-    proposes now. columns: per feature drafter, its columns of hidden_buf (`feature_columns`;
-    absent: all). The drafters' views become committed + drafts (`draft_keep`)."""
+    proposes now. columns: per feature drafter, its columns of the features (`feature_columns`;
+    absent: all). The drafters' views become committed + drafts (`Sequence.view`)."""
     t0 = time.perf_counter()
     groups: dict[str, list[int]] = {}
     for b, s in enumerate(seqs):
@@ -107,8 +158,8 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     for name, rows in groups.items():
         drafter = drafters[name]
         cols = (columns or {}).get(name)
-        dseqs = [_draft_seq(seqs[b], gammas[b], drafter.wants_hidden, hidden_buf, trees[b] if trees else 0, cols,
-                            shadow[b]) for b in rows]
+        dseqs = [_draft_seq(seqs[b], gammas[b], features if drafter.wants_hidden else None,
+                            trees[b] if trees else 0, cols, shadow[b]) for b in rows]
         tg = time.perf_counter()
         if asynchronous or not drafter.asynchronous:
             wait = drafter.propose_async(dseqs)
@@ -122,18 +173,19 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
     return fl
 
 
-def _draft_seq(s: Sequence, gamma: int, wants_hidden: bool, hidden_buf: torch.Tensor | None,
-               tree: int = 0, cols: slice | torch.Tensor | None = None, shadow: bool = False) -> DraftSeq:
-    p = s.req.sampling
-    ds = DraftSeq(seq_id=s.key, keep=s.draft_keep, new_tokens=s.tokens[s.draft_keep:], gamma=gamma,
+def _draft_seq(s: Sequence, gamma: int, features: Features | None, tree: int = 0,
+               cols: slice | torch.Tensor | None = None, shadow: bool = False) -> DraftSeq:
+    p, v = s.req.sampling, s.view
+    ds = DraftSeq(seq_id=s.key, keep=v.keep, new_tokens=s.tokens[v.keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
                   tree=tree, threshold=s.req.speculation.threshold or 0.0, shadow=shadow)
-    if wants_hidden:
-        ds.hidden_start = s.hid_sent
-        kept = hidden_buf[s.slot, :s.hid_len]  # [n, F * E]
+    n = None
+    if features is not None:
+        n = features.length[s.slot]
+        kept = features.buf[s.slot, :n]  # [n, F * E]
         mine = kept if cols is None else kept[:, cols]  # this drafter's layers (an index copies them)
-        ds.hidden = mine[s.hid_sent:].clone()
+        ds.hidden_start = v.hid_sent
+        ds.hidden = mine[v.hid_sent:].clone()
         ds.hidden_history = mine  # for a lost drafter's re-prefill
-        s.hid_sent = s.hid_len
-    s.draft_keep = len(s.tokens)  # the drafter's view is now committed + its drafts
+    v.sent(len(s.tokens), features=n)  # the drafter's view is now committed + its drafts
     return ds

@@ -1,7 +1,7 @@
 """The engine's per-sequence state: one admitted request, from prefill to its last token.
 
-Shared by the engine's core step (`engine.py`), drafting (`drafting.py`) and
-micro-batch pipelining (`pipeline.py`); it imports none of them.
+Shared by the engine (`engine.py`), drafting (`drafting.py`), acceptance (`acceptance.py`), beam
+search (`beam.py`) and micro-batch pipelining (`pipeline.py`); it imports none of them.
 
 Invariants: `tokens` = prompt + committed output. The target KV of `slot` holds every
 committed token but the last one (which is the first input of the next verify pass),
@@ -11,16 +11,59 @@ holds the first `prefilled` prompt tokens and nothing is committed yet.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from enum import Enum
 
 import torch
 
 from .schema import Request, SpecStats
 from .text import TextStream
 
-if TYPE_CHECKING:  # (types only: drafting imports this module)
-    from .beam import BeamGroup
-    from .drafting import Flight
+
+class Mode(str, Enum):
+    """How a row's drafts are accepted; fixed at admission from the request (`mode_of`)."""
+    GREEDY = "greedy"  # the target's argmax
+    COUPLED = "coupled"  # sampled with a seed: argmax of log p + Gumbel noise keyed by (seed, position)
+    SAMPLED = "sampled"  # rejection sampling against the draft's q (one-hot for deterministic drafts)
+    LOSSY = "lossy"  # a lossy rule the request asked for (`topk:K`, `typical:ε`), chains only
+
+
+def mode_of(req: Request) -> Mode:
+    if req.sampling.greedy:
+        return Mode.GREEDY
+    if req.acceptance_rule[0] != "lossless":
+        return Mode.LOSSY
+    return Mode.COUPLED if req.coupled else Mode.SAMPLED
+
+
+@dataclass
+class DraftView:
+    """What the sequence's drafter holds of it: the first `keep` tokens of its view (committed
+    tokens plus the drafts it proposed last) are still valid, and it has received the target's
+    features of the first `hid_sent` committed tokens. The drafter rolls back to `keep` on its
+    next call (`DraftSeq.keep`)."""
+    keep: int = 0
+    hid_sent: int = 0
+
+    def sent(self, committed: int, features: int | None = None) -> None:
+        """A draft call went out with every committed token (and `features` rows of features):
+        its view is those plus what it drafts now (counted when verified, `accepted`)."""
+        self.keep = committed
+        if features is not None:
+            self.hid_sent = features
+
+    def accepted(self, n: int) -> None:
+        """n of the chain's drafts were accepted: they stay in the drafter's view."""
+        self.keep += n
+
+    def rebase(self, seen: list[int], chain: list[int], now: list[int]) -> None:
+        """The sequence now holds `now` (a beam step moved it): the view was `seen` + `chain`;
+        what survives is their common prefix with `now` (features: that of `seen`)."""
+        self.keep = min(self.keep + len(chain), common_prefix(seen + chain, now))
+        self.hid_sent = min(self.hid_sent, common_prefix(seen, now))
+
+    def reset(self) -> None:
+        """A new drafter: it starts from the committed tokens."""
+        self.keep = self.hid_sent = 0
 
 
 @dataclass(eq=False)
@@ -33,19 +76,15 @@ class Sequence:
     seed: int  # the request's seed, or a random one; the drafter derives its generator from it
     gen: torch.Generator  # the target-side sampler of this request
     text: TextStream | None  # None without a tokenizer
+    mode: Mode = Mode.GREEDY
     prefilled: int = 0  # prompt tokens in the target KV (chunked prefill)
-    draft_keep: int = 0  # tokens of the drafter's view that are still valid
-    hid_len: int = 0  # committed tokens whose target hidden state is in the engine's buffer
-    hid_sent: int = 0  # of those, how many the drafter has received
+    view: DraftView = field(default_factory=DraftView)
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     draft: str | None = None  # the drafter speculating for it now (with draft "auto": the selector's pick)
     entropy: float | None = None  # EMA of the target's entropy (nats) at its committed positions (entropy gate)
-    draft_steps: dict = field(default_factory=dict)  # drafter -> verify steps it drafted (draft "auto")
     shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
-    mb: int | None = None  # pipelined: which micro-batch (0 or 1) verifies it
-    flight: "Flight | None" = None  # pipelined: draft calls sent for it, not yet verified
-    beam: "BeamGroup | None" = None  # beam search: the request's group (every member points to it)
+    beam: object | None = None  # beam search: the request's `beam.BeamGroup` (every member points to it)
 
     @property
     def output(self) -> list[int]:
@@ -55,3 +94,13 @@ class Sequence:
     def decoding(self) -> bool:
         """Its prompt is in the KV and its first token committed: it takes part in verify steps."""
         return self.prefilled == self.num_prompt
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

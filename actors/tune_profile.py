@@ -6,7 +6,7 @@ A profile holds, for one target × draft × dtype × quantization mode on one ma
     first j were), the quantity the speculation policy estimates live (`policy.DrafterEstimate`);
   - the draft's cost per drafted position and step, by batch size;
   - for drafters that draft token trees, the mean accepted path length per node budget.
-It is keyed by `calibrate.hardware()` (CPU model, flags and threads, or GPU name: the same
+It is keyed by `hardware.hardware()` (CPU model, flags and threads, or GPU name: the same
 fingerprint as the load-time calibration) plus model, draft spec, dtype and quant mode, and a
 profile is only used where its key matches exactly: a profile from another machine, thread
 count or dtype says nothing about this one.

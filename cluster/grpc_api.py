@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from actors.calibrate import hardware_line
+from actors.hardware import hardware_line
 from actors.schema import Delta
 from protos import specd_pb2
 

@@ -359,6 +359,10 @@ def _bench(args) -> int:
         args.json_path = args.json_path or ("out/bench_pipeline.json" if args.pipeline_compare else
                                             "out/bench_overlap.json" if args.overlap_compare else
                                             "out/bench_cluster.json")
+        if args.overlap_compare:
+            from .bench import overlap
+
+            return overlap.main(args)
         return bench_cluster.main(args)
     if not args.local:
         raise ValueError("give --local (in-process engine), --address HOST:PORT (a running cluster) "

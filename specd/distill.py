@@ -1,5 +1,5 @@
 """`specd distill`: train a draft for a target and report what it buys (the training library is
-actors/distill.py; this is the command around it).
+specd/train/distill.py; this is the command around it).
 
   specd distill --kind eagle3 --init-from eagle --minutes 60 --patience 3 ...   the shipped default (README)
   specd distill --kind eagle --objective fkl --steps 300 --out out/drafts/eagle    the single-layer head
@@ -19,8 +19,8 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from actors.distill import KINDS, OBJECTIVES, DistillConfig
     from actors.schema import QUANT_MODES
+    from specd.train.distill import KINDS, OBJECTIVES, DistillConfig
 
     d = DistillConfig()
     p = sub.add_parser("distill", help="train a draft model from the target (KL / NTP distillation)",
@@ -70,8 +70,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from actors.distill import DistillConfig, render
-    from actors.distill import run as distill
+    from specd.train.distill import DistillConfig, render
+    from specd.train.distill import run as distill
 
     from .data import DISTILL_CORPUS, PROMPTS
 
@@ -140,7 +140,7 @@ def compare(paths: list[str]) -> str:
     """A side-by-side table of several distill reports (for the claims in the README): held-out
     α after training with its bootstrap standard error over the held-out prompts, and, where the
     reports hold per-prompt runs, α(first) − α(each other) with the error of that paired difference."""
-    from actors.distill import bootstrap_alpha
+    from specd.train.distill import bootstrap_alpha
 
     rows = [json.loads((Path(p) / "report.json").read_text()) for p in paths]
     doms = sorted({d for r in rows for d in r["after"] if d != "all"})

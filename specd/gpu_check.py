@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from actors.calibrate import hardware, measure
+from actors.calibrate import measure
 from actors.drafters.oracle import OracleDrafter
 from actors.engine import SpecEngine
+from actors.hardware import hardware
 from actors.llama import LlamaRunner
 from actors.schema import Request, SamplingParams, SpeculationParams
 

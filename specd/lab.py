@@ -29,9 +29,64 @@ from pathlib import Path
 
 import torch
 
+from actors.acceptance import entropy, process
 from actors.drafters.base import Drafter, DraftSeq, Proposal
-from actors.engine import common_prefix
 from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
+from actors.sequence import common_prefix
+
+# --------------------------------------------------------------------------------- observers
+
+
+class DeviationLog:
+    """A step observer (`SpecEngine.observer`): per position a lossy rule decided, (request key,
+    position, TV). Exact: an accepted draft x is emitted with probability 1 where the target has
+    p(x), so TV(emitted, p) = 1 - p(x); the token after the accepted prefix is drawn from p: TV 0."""
+
+    def __init__(self):
+        self.log: list[tuple[int, int, float]] = []
+
+    def verified(self, batch, logits, verdicts) -> None:
+        for b, (r, v) in enumerate(zip(batch.rows, verdicts)):
+            if r.rule != "lossy":
+                continue
+            a = len(v.path)
+            p = process(logits[b, :a][None], [r.seq])[0] if a else None  # [a, V]
+            for j in range(a + 1):
+                tv = 1.0 - float(p[j, r.drafts[j]]) if j < a else 0.0
+                self.log.append((r.seq.key, len(r.seq.tokens) + j, tv))
+
+
+class EntropyLog:
+    """A step observer: per drafted chain position, (the target's entropy there, accepted,
+    the position's context: `context`)."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.log: list[tuple[float, bool, str]] = []
+
+    def verified(self, batch, logits, verdicts) -> None:
+        idx = [b for b, r in enumerate(batch.rows) if r.drafts and r.parents is None and r.seq.beam is None]
+        if not idx:
+            return
+        for b, ent in zip(idx, entropy(logits[idx]).tolist()):  # [Bd, G+1]
+            r, a = batch.rows[b], len(verdicts[b].path)
+            prev = [r.seq.tokens[-1]] + r.drafts  # (not committed yet: the last token is the root)
+            for j in range(len(r.drafts)):
+                self.log.append((ent[j], j < a, context(self.tokenizer, prev[j], r.drafts[j])))
+
+
+def context(tokenizer, prev: int, tok: int) -> str:
+    """Where a drafted token stands: after a sentence end, after other punctuation, inside a
+    word (no leading space), or at a word start."""
+    if tokenizer is None:
+        return "word start"
+    p, t = tokenizer.decode([prev]), tokenizer.decode([tok])
+    if p.rstrip(" ").endswith((".", "!", "?", "\n")) or p.endswith("\n"):
+        return "sentence start"
+    if p.rstrip(" ").endswith((",", ";", ":", ")", "(", '"', "'")):
+        return "after punctuation"
+    return "inside word" if t[:1].isalnum() and p[-1:].isalnum() else "word start"
+
 
 # --------------------------------------------------------------------------------- measurement
 
@@ -53,7 +108,7 @@ class FixedToken(Drafter):
 def first_token_tv(target, ctx: list[int], rank: int, rule: str, n: int = 3000, seed0: int = 70_000) -> dict:
     """The deviation of `rule` at one context, measured both ways: ctx + [t1] (t1 the target's
     likeliest first token), a draft proposing the token of rank `rank` there. Returns t1, the
-    target's distribution p there, the TV the engine accounted at that position (tv_log: exact
+    target's distribution p there, the TV the engine accounted at that position (DeviationLog: exact
     per position, how `specd lab` measures deviation on a large vocabulary), and the histogram
     of what the engine emitted there over the seeded runs whose first token was t1."""
     from actors.engine import SpecEngine
@@ -66,7 +121,7 @@ def first_token_tv(target, ctx: list[int], rank: int, rule: str, n: int = 3000, 
     d = int(p.argsort(descending=True)[rank])
     eng = SpecEngine(LlamaRunner(target.model), {"fixed": FixedToken(d)}, eos_token_ids=set(), max_batch=512,
                      max_len=16)
-    eng.tv_log = []
+    eng.observer = dev = DeviationLog()
     reqs = [Request(f"r{i}", ctx, SamplingParams(max_tokens=3, temperature=1.0, seed=seed0 + i),  # room for a draft
                     SpeculationParams("fixed", 1, acceptance=rule)) for i in range(n)]
     k0 = eng.add_request(reqs[0])  # keys are handed out in order: request i has key k0 + i
@@ -74,7 +129,7 @@ def first_token_tv(target, ctx: list[int], rank: int, rule: str, n: int = 3000, 
     done = eng.generate(reqs)
     at_t1 = {k0 + 1 + i for i, c in enumerate(done) if c.token_ids[0] == t1}
     second = [c.token_ids[1] for c in done if c.token_ids[0] == t1]
-    tv = [v for k, pos, v in eng.tv_log if pos == len(ctx) + 1 and k in at_t1]
+    tv = [v for k, pos, v in dev.log if pos == len(ctx) + 1 and k in at_t1]
     hist = torch.bincount(torch.tensor(second), minlength=len(p))
     return {"t1": t1, "draft": d, "p": p, "hist": hist, "tv_accounted": sum(tv) / max(1, len(tv)),
             "runs": len(second)}
@@ -168,9 +223,9 @@ class Lab:
         return out
 
     def entropy_split(self, draft: str) -> dict:
-        self.eng.entropy_log = []
+        self.eng.observer = obs = EntropyLog(self.eng.tokenizer)
         self.run(draft, 4)
-        log, self.eng.entropy_log = self.eng.entropy_log, None
+        log, self.eng.observer = obs.log, None
         if not log:
             return {"verdict": "no drafted positions", "bins": []}
         ents = sorted(e for e, _, _ in log)

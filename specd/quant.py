@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from actors.calibrate import draft_step_seconds, hardware, hardware_line, measure
+from actors.calibrate import draft_step_seconds, measure
+from actors.hardware import hardware, hardware_line
 from actors.schema import QUANT_MODES, Request, SamplingParams, SpeculationParams
 
 TOKENS = (1, 2, 3, 5, 9, 16)  # tokens per row in the kernel study: 1 + γ for γ = 0, 1, 2, 4, 8, 15
@@ -86,10 +87,11 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
 
     from actors import cpu
     from actors.build import draft_mode, make_drafter, ready_drafter, with_prepack
-    from actors.engine import SpecEngine, common_prefix
+    from actors.engine import SpecEngine
     from actors.llama import PACKABLE, LlamaRunner
     from actors.models import load_model
     from actors.quant import _torchao, check_mode, quantize_runner
+    from actors.sequence import common_prefix
 
     from .tune import calibration_prompts
 

@@ -209,7 +209,7 @@ def soak(address: str, minutes: float, concurrency: int, prompts: list[dict], ou
     import ray
     from tqdm import tqdm
 
-    from actors.calibrate import hardware, hardware_line
+    from actors.hardware import hardware, hardware_line
     from specd_client import SpecdClient
 
     client = SpecdClient(address, retries=0, token=token)

@@ -2,7 +2,7 @@
 
     specd tune [--model smollm2] [--draft ngram --draft default] [--batches 1,4,8] [--out out/tune]
 
-For each draft, on the hardware at hand (`calibrate.hardware()`: GPU name, or CPU model and flags):
+For each draft, on the hardware at hand (`hardware.hardware()`: GPU name, or CPU model and flags):
   1. measure  the target's pass cost t(B, T) over batch × tokens per row (`calibrate.measure`), the
               draft's cost per drafted position s_B at each batch size (`calibrate.draft_step_seconds`,
               what the profile gives the policy), and, from greedy generation on the calibration
@@ -51,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-from actors.calibrate import PassCost, draft_step_seconds, grid, hardware, hardware_line, measure
+from actors.calibrate import PassCost, draft_step_seconds, grid, measure
+from actors.hardware import hardware, hardware_line
 from actors.policy import PRIOR_ACCEPT, TREE_BUDGETS, TREE_DEPTH
 from actors.schema import AUTO_MAX_GAMMA, Request, SamplingParams, SpeculationParams
 from actors.tune_profile import QUANT_NONE, TuneProfile, profile_key, save, store_path

@@ -27,7 +27,7 @@ fast runner serves, the head is a llama layer started at random (one logged line
 Owns: the head module (training forward with training-time test, checkpoint
 save/load), `FeatureDrafter` (serving any head fed target features: the rollback and
 catch-up bookkeeping) and `EagleDrafter` (serving this head). Does not know: how the head
-is trained (`actors/distill.py`), published heads' formats (`eagle_formats.py`) or acceptance.
+is trained (`specd/train/distill.py`), published heads' formats (`eagle_formats.py`) or acceptance.
 
 Shapes: B rows, L positions, E hidden size, R head vocabulary, k drafting steps.
 """

@@ -39,75 +39,12 @@ from cluster.config import LOCAL_CONFIG, ClusterConfig
 from cluster.serve import wait_serving
 
 from ..data import PROMPTS, load_prompts
-from ..stats import median, percentile
+from ..stats import median
 from .local import _hf_generate
-
-
-def _record(t_send: float, arrivals: list[tuple[float, int]], token_ids: list[int], stats: dict | None,
-            coalesced: bool) -> dict:
-    """One request: arrivals = [(time, tokens in that chunk)]."""
-    arrivals = [(t, n) for t, n in arrivals if n > 0]
-    itl, gaps = [], []
-    for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
-        gaps.append(t1 - t0)
-        itl += [(t1 - t0) / n] * n
-    return {"start": t_send, "end": arrivals[-1][0] if arrivals else t_send,
-            "ttft": arrivals[0][0] - t_send if arrivals else None, "itl": itl, "gaps": gaps,
-            "tokens": len(token_ids), "token_ids": token_ids, "stats": stats or {}, "coalesced": coalesced}
-
-
-def summarize(records: list[dict], wall: float | None = None) -> dict:
-    """Aggregate request records of one point. wall: the point's wall time (else first start to
-    last end)."""
-    tokens = sum(r["tokens"] for r in records)
-    if wall is None:
-        wall = max(r["end"] for r in records) - min(r["start"] for r in records)
-    ttft = [r["ttft"] for r in records if r["ttft"] is not None]
-    itl = [x for r in records for x in r["itl"]]
-    gaps = [x for r in records for x in r["gaps"]]
-    st = [r["stats"] for r in records]
-    drafted = sum(s.get("draft_tokens", 0) for s in st)
-    accepted = sum(s.get("accepted_tokens", 0) for s in st)
-    drafts = sum(s.get("drafts", 0) for s in st)
-    # per position: each request's ratios weighted by its drafting steps (exact for a fixed γ)
-    width = max((len(s.get("acceptance_per_position", [])) for s in st), default=0)
-    per_pos = []
-    for j in range(width):
-        w = [(s.get("drafts", 0), s["acceptance_per_position"][j]) for s in st
-             if len(s.get("acceptance_per_position", [])) > j]
-        tot = sum(x for x, _ in w)
-        per_pos.append(sum(x * a for x, a in w) / tot if tot else 0.0)
-    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-    return {"requests": len(records), "tokens": tokens, "seconds": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "ttft_ms": {"mean": ms(sum(ttft) / len(ttft)) if ttft else None, "p50": ms(percentile(ttft, 50)),
-                        "p99": ms(percentile(ttft, 99))},
-            "itl_ms": {"p50": ms(percentile(itl, 50)), "p99": ms(percentile(itl, 99))},
-            "chunk_gap_ms": {"p50": ms(percentile(gaps, 50)), "p99": ms(percentile(gaps, 99))},
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-            "acceptance_per_position": per_pos,
-            "coalesced": sum(r["coalesced"] for r in records)}
+from .records import cluster_request, match_ray_niceness, record, summarize, verifier_stats
 
 
 # ---------------------------------------------------------------------------------- the three sides
-def _prompt_kwargs(p: dict) -> dict:
-    return {"prompt": p["prompt"]} if "prompt" in p else {"messages": p["messages"]}
-
-
-def cluster_request(client, p: dict, max_tokens: int, draft: str, gamma: int) -> dict:
-    arrivals, ids, stats, coalesced = [], [], None, False
-    t0 = time.perf_counter()
-    for chunk in client.stream(**_prompt_kwargs(p), max_tokens=max_tokens, temperature=0.0, draft=draft,
-                               gamma=gamma if draft != "none" else 0, request_id=uuid.uuid4().hex):
-        arrivals.append((time.perf_counter(), len(chunk.token_ids)))
-        ids += chunk.token_ids
-        coalesced = coalesced or chunk.coalesced
-        if chunk.spec_stats is not None:
-            stats = chunk.spec_stats
-    return _record(t0, arrivals, ids, stats, coalesced)
-
-
 def cluster_point(client, prompts: list[dict], concurrency: int, max_tokens: int, draft: str, gamma: int,
                   bar=None) -> tuple[list[dict], float]:
     """All `prompts` through the cluster with `concurrency` requests in flight."""
@@ -155,7 +92,7 @@ class InProcess:
                 arrivals.append((time.perf_counter(), len(d.token_ids)))
                 deltas.append(d)
         done = Completion.join(deltas)
-        return _record(t0, arrivals, done.token_ids, done.stats.to_dict(), False)
+        return record(t0, arrivals, done.token_ids, done.stats.to_dict(), False)
 
     def hf(self, ids: list[int], max_tokens: int, threads: int | None) -> dict:
         import torch
@@ -174,19 +111,6 @@ class InProcess:
 
 
 # ---------------------------------------------------------------------------------- the run
-def _match_ray_niceness(address: str) -> int:
-    """Ray starts its workers, the Serve replicas among them, at niceness RAY_worker_niceness
-    (15). On a machine shared with other work that alone would starve the cluster against an
-    in-process engine at niceness 0, so for a cluster on this machine the benchmark process
-    (client, in-process engine, HF) runs at the replicas' niceness too. Returns the niceness."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
-        return os.nice(0)
-    want = int(os.environ.get("RAY_worker_niceness", 15))
-    now = os.nice(0)
-    return os.nice(want - now) if want > now else now
-
-
 def _policy_steps(client) -> dict[str, tuple[int, int]]:
     """Per draft, summed over verifier replicas: (steps under the policy, steps speculated)."""
     out: dict[str, list[int]] = {}
@@ -226,11 +150,11 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
     import torch
     from tqdm import tqdm
 
-    from actors.calibrate import hardware
+    from actors.hardware import hardware
     from specd_client import SpecdClient
 
     cfg = ClusterConfig.load(config_path or LOCAL_CONFIG)  # threads and draft specs of the cluster
-    niceness = _match_ray_niceness(address) if match_niceness else os.nice(0)
+    niceness = match_ray_niceness(address) if match_niceness else os.nice(0)
     load_before = os.getloadavg()
     prompts = load_prompts(prompts_path)[:limit]
     conc = sorted(set(int(c) for c in concurrency))
@@ -424,10 +348,6 @@ def pipeline_config(cfg, draft: str):
     return ClusterConfig.model_validate(data)
 
 
-def _verifier_stats(handle) -> dict:
-    return handle.stats.remote().result(timeout_s=60)
-
-
 def _delta(after: dict, before: dict, draft: str) -> dict:
     b = {k: after["batcher"][k] - before["batcher"][k] for k in BATCHER_KEYS}
     ra, rb = after["remote_drafts"].get(draft, {}), before["remote_drafts"].get(draft, {})
@@ -455,7 +375,7 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
 
     from specd_client import SpecdClient
 
-    niceness = _match_ray_niceness(address) if match_niceness else os.nice(0)
+    niceness = match_ray_niceness(address) if match_niceness else os.nice(0)
     load_before = os.getloadavg()
     if not ray.is_initialized():
         ray.init(address="auto", log_to_driver=False)
@@ -470,7 +390,7 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
             raise ValueError(f"draft {draft!r}: the cluster serves {[d.name for d in info.drafts]}")
         if gamma is None:
             gamma = next(d.default_gamma for d in info.drafts if d.name == draft)
-        initial = _verifier_stats(verifier)["pipeline"]
+        initial = verifier_stats(verifier)["pipeline"]
         bar = tqdm(total=2 * rounds * len(conc) * len(prompts), desc="bench --pipeline-compare", unit="req",
                    disable=not progress)
         for on in (True, False):  # warm-up, untimed: both paths, the widest burst
@@ -485,7 +405,7 @@ def pipeline_compare(address: str, concurrency=(4, 8), draft: str = PIPELINE_DRA
                     st = verifier.set_pipeline.remote(on).result(timeout_s=60)
                     assert st["pipeline"] is on and st["active_sequences"] == 0
                     recs, wall = cluster_point(client, prompts, c, max_tokens, draft, gamma, bar)
-                    after = _verifier_stats(verifier)
+                    after = verifier_stats(verifier)
                     if after["replica_id"] != st["replica_id"]:
                         raise RuntimeError("the Verifier has more than one replica: the toggle reached only one")
                     pt = points.setdefault((c, on), {"records": [], "wall": 0.0, "round_tps": [], "batcher": {}})
@@ -694,9 +614,6 @@ def main(args) -> int:
     """`specd bench --address HOST:PORT` or `specd bench --serve [--config FILE]` (specd/cli.py)."""
     if getattr(args, "pipeline_compare", False):
         return main_pipeline(args)
-    if getattr(args, "overlap_compare", False):
-        from .overlap import main as main_overlap
-        return main_overlap(args)
     started = False
     address = args.address
     config_path = args.config or LOCAL_CONFIG

@@ -25,7 +25,7 @@ from cluster.config import LOCAL_CONFIG, ClusterConfig
 from cluster.serve import wait_serving
 
 from ..data import load_prompts
-from .cluster import _match_ray_niceness, _verifier_stats, cluster_request, summarize
+from .records import cluster_request, match_ray_niceness, summarize, verifier_stats
 
 OVERLAP_DRAFT = "truncated:4"
 
@@ -66,10 +66,10 @@ def overlap_compare(address: str, names: dict[str, str], gamma: int = 4, max_tok
     from ray import serve
     from tqdm import tqdm
 
-    from actors.calibrate import hardware
+    from actors.hardware import hardware
     from specd_client import SpecdClient
 
-    niceness = _match_ray_niceness(address) if match_niceness else os.nice(0)
+    niceness = match_ray_niceness(address) if match_niceness else os.nice(0)
     load_before = os.getloadavg()
     if not ray.is_initialized():
         ray.init(address="auto", log_to_driver=False)
@@ -90,10 +90,10 @@ def overlap_compare(address: str, names: dict[str, str], gamma: int = 4, max_tok
         for rnd in range(rounds):
             for i, p in enumerate(prompts):
                 for c in (configs if (i + rnd) % 2 == 0 else configs[::-1]):
-                    before = _verifier_stats(verifier)
+                    before = verifier_stats(verifier)
                     records[c].append(cluster_request(client, p, max_tokens, draft_of[c], gamma))
                     if c in names:
-                        after = _verifier_stats(verifier)
+                        after = verifier_stats(verifier)
                         for k, v in _remote_delta(after, before, draft_of[c]).items():
                             accounting[c][k] = accounting[c].get(k, 0) + v
                     bar.update(1)

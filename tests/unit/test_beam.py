@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import actors.engine as engine_mod
+import actors.beam as beam_mod
 from actors.beam import Advance, BeamSearch
 from actors.calibrate import PassCost, grid
 from actors.drafters import ModelDrafter, NgramDrafter
@@ -120,7 +120,7 @@ def stale_advance(search: BeamSearch, log_probs, children) -> list[Advance]:
 
 @pytest.mark.parametrize("beams", [2, 4])
 def test_planted_bug_accepting_pruned_draft_tokens_fails(tiny_engine, refs, monkeypatch, beams):
-    monkeypatch.setattr(engine_mod, "advance", stale_advance)
+    monkeypatch.setattr(beam_mod, "advance", stale_advance)
     out = tiny_engine.generate([beam_request(f"b{i}", p, beams, "truncated:2", 4, 8) for i, p in enumerate(PROMPTS)])
     assert [o.token_ids for o in out] != refs[beams]
 

@@ -4,14 +4,14 @@ import os
 
 import pytest
 
-from specd.bench.cluster import _match_ray_niceness, _record, summarize
+from specd.bench.records import match_ray_niceness, record, summarize
 
 
 def test_summary_statistics_on_known_records():
     # a request sent at t=0: first chunk (1 token) at 0.1 s, then 3 tokens at 0.4 s, 1 at 0.5 s
-    a = _record(0.0, [(0.1, 1), (0.4, 3), (0.5, 1)], [1, 2, 3, 4, 5],
+    a = record(0.0, [(0.1, 1), (0.4, 3), (0.5, 1)], [1, 2, 3, 4, 5],
                 {"drafts": 2, "draft_tokens": 8, "accepted_tokens": 2, "acceptance_per_position": [0.5, 0.5]}, False)
-    b = _record(1.0, [(1.3, 2)], [6, 7], {}, True)
+    b = record(1.0, [(1.3, 2)], [6, 7], {}, True)
     s = summarize([a, b], wall=2.0)
     assert s["tokens"] == 7 and s["tokens_per_s"] == 3.5 and s["coalesced"] == 1
     assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["mean"] == pytest.approx(200)
@@ -19,4 +19,4 @@ def test_summary_statistics_on_known_records():
     assert s["itl_ms"]["p50"] == pytest.approx(100) and s["chunk_gap_ms"]["p99"] == pytest.approx(299, abs=1)
     assert s["acceptance_rate"] == 0.25 and s["mean_accepted_length"] == 2.0
     assert s["acceptance_per_position"] == [0.5, 0.5]
-    assert _match_ray_niceness("10.1.2.3:9000") == os.nice(0)  # a remote cluster: nothing to match
+    assert match_ray_niceness("10.1.2.3:9000") == os.nice(0)  # a remote cluster: nothing to match

@@ -151,11 +151,15 @@ def test_draft_auto_picks_the_right_draft_per_domain(tiny, hf_greedy):
     eng = SpecEngine(LlamaRunner(tiny.model), drafters, max_batch=8, max_len=128)
     rs = [request(f"r{i}", p, "auto", 3, max_tokens=60) for i, p in enumerate(prompts)]
     keys = {eng.add_request(r): i for i, r in enumerate(rs)}
-    steps: dict[int, dict] = {}
+    steps: dict[int, dict] = {i: {} for i in range(8)}  # request -> drafter -> verify steps it drafted
+    observe = eng.selector.observe
+
+    def counting(key, draft, accepted):
+        steps[keys[key]][draft] = steps[keys[key]].get(draft, 0) + 1
+        return observe(key, draft, accepted)
+    eng.selector.observe = counting
     out = {i: [] for i in range(8)}
     while eng.has_work():
-        for s in eng.active.values():
-            steps[keys[s.key]] = dict(s.draft_steps)
         for k, d in eng.step().items():
             out[keys[k]] += d.token_ids
     for i, p in enumerate(prompts):

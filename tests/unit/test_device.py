@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
-import actors.engine as engine_mod
+import actors.acceptance as acceptance_mod
 from actors.calibrate import PassCost, grid
 from actors.drafters import NgramDrafter
 from actors.engine import SpecEngine
@@ -59,7 +59,7 @@ def meta_engine(monkeypatch):
             with rec:
                 return fn(*a, **kw)
         return run
-    monkeypatch.setattr(SpecEngine, "_to_host", staticmethod(to_host))
+    monkeypatch.setattr(acceptance_mod, "to_host", to_host)
     monkeypatch.setattr(eng, "_prefill", recorded(eng._prefill))
     monkeypatch.setattr(eng, "verify", recorded(eng.verify))
     return eng, rec, transfers
@@ -89,12 +89,12 @@ def test_a_host_read_inside_the_step_fails_the_check(meta_engine, monkeypatch):
     """The check can fail: an acceptance rule that reads a value on the host (a planted
     `bool(...)` precondition, as sampling.py had) raises on the meta device."""
     eng, _, _ = meta_engine
-    real = engine_mod.verify_greedy
+    real = acceptance_mod.verify_greedy
 
     def syncing(logits, draft, num):
         assert bool((num >= 0).all())  # a host synchronisation per call
         return real(logits, draft, num)
-    monkeypatch.setattr(engine_mod, "verify_greedy", syncing)
+    monkeypatch.setattr(acceptance_mod, "verify_greedy", syncing)
     eng.add_request(request("greedy", [5, 6, 7, 8, 5, 6, 7], "ngram", 3, max_tokens=10))
     with pytest.raises(RuntimeError, match="meta"):
         eng.step()  # the first verify pass already reads on the host

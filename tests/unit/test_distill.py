@@ -16,7 +16,6 @@ import random
 import pytest
 import torch
 
-from actors import distill as D
 from actors.build import load_distilled, make_drafter
 from actors.drafters.base import DraftSeq
 from actors.drafters.eagle import EagleDrafter, EagleHead
@@ -24,6 +23,7 @@ from actors.engine import SpecEngine
 from actors.llama import LlamaRunner, context_features
 from actors.models import LoadedModel, build_tiny, load_model
 from helpers import request, run
+from specd.train import distill as D
 
 
 @pytest.fixture(scope="module")

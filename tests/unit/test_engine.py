@@ -20,7 +20,7 @@ import pytest
 import scipy.stats
 import torch
 
-import actors.engine as engine_mod
+import actors.acceptance as acceptance_mod
 from actors.drafters import Drafter, DraftSeq, ModelDrafter, NgramDrafter, Proposal
 from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
@@ -147,7 +147,7 @@ def test_greedy_planted_bug_accept_all_is_detected(tiny, tiny_draft, hf_refs, mo
             out[b, k] = logits[b, k].argmax()
         return num_draft.clone(), out
 
-    monkeypatch.setattr(engine_mod, "verify_greedy", accept_all)
+    monkeypatch.setattr(acceptance_mod, "verify_greedy", accept_all)
     res = run(make_engine(tiny, tiny_draft), requests("draft", 3))
     wrong = [i for i in range(len(PROMPTS)) if res[f"r{i}"].token_ids != hf_refs[i][:MAX_TOKENS[i]]]
     assert len(wrong) == len(PROMPTS)
@@ -456,7 +456,7 @@ def test_sampled_distribution_planted_bug_is_detected(small_models, exact_law, m
     (p < 1e-9 on at least one statistic, against the 1e-3 the correct engine must pass),
     so it has the power to catch real acceptance-rule errors at this sample size."""
     monkeypatch.setattr(Request, "coupled", property(lambda self: False))  # the rejection-sampling path
-    monkeypatch.setattr(engine_mod, "verify_sampled", buggy_verify_sampled(mode))
+    monkeypatch.setattr(acceptance_mod, "verify_sampled", buggy_verify_sampled(mode))
     target, draft = small_models
     toks, _ = sample_first_tokens(target, draft, "draft", 3, seed0=10_000)
     p = law_pvalues(toks, exact_law)
@@ -721,8 +721,8 @@ def test_coupled_distribution_planted_bug_is_detected(small_models, exact_law, m
     """Coupled acceptance is only exact if every position gets fresh noise: the planted bug
     keys the noise by the seed alone (one Gumbel vector reused at every position), which
     correlates the tokens of a request, and the joint law of (t1, t2) rejects it."""
-    real = engine_mod.gumbel_noise
-    monkeypatch.setattr(engine_mod, "gumbel_noise",
+    real = acceptance_mod.gumbel_noise
+    monkeypatch.setattr(acceptance_mod, "gumbel_noise",
                         lambda seed, positions, vocab, device="cpu", generator=None:
                         real(seed, [0] * len(positions), vocab, device, generator))
     target, draft = small_models

@@ -4,7 +4,8 @@ functions):
     API: no `ray`, `cluster`, `protos`, `specd` or `specd_client`;
   - `cluster/` (the control plane) does not go through the client SDK: no `specd_client`;
   - the SDK imports only grpcio, protobuf and the wire API: no `actors`, `cluster`, `specd` or torch
-    (see test_client_sdk).
+    (see test_client_sdk);
+  - no package has an import cycle, counting imports made only for type checking.
 """
 from __future__ import annotations
 
@@ -54,3 +55,74 @@ def test_the_walk_catches_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\n\ndef f():\n    from ray import serve\n    import cluster.config\n")
     assert forbidden_imports(bad) == ["cluster.config", "ray"]
+
+
+def module_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of `package` it imports (absolute and relative imports, top level,
+    inside functions and under TYPE_CHECKING alike; `from pkg import mod` counts as mod)."""
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in files and t != name}
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("package", ["actors", "cluster", "specd", "specd_client"])
+def test_no_import_cycle(package):
+    assert cycles(module_graph(package)) == []
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path):
+    """The check can fail: two modules importing each other (one only for type checking) are a cycle."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    assert cycles(module_graph("pkg", tmp_path)) == [["pkg.a", "pkg.b"]]

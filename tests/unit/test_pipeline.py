@@ -178,11 +178,11 @@ def test_abort_with_a_draft_call_in_flight_frees_both_sides(tiny, refs):
     for _ in range(3):
         for k, d in eng.step().items():
             early[keys[k]].append(d)
-    flying = [s for s in eng.active.values() if s.flight is not None and s.flight.drafts is None]
+    flying = [s for s in eng.active.values() if s.key in eng.micro.flights and eng.micro.flights[s.key].drafts is None]
     assert flying, "no draft call in flight between steps"
     victim = flying[0]
     assert eng.abort(victim.key)
-    assert victim.flight is None and victim.slot in eng.free_slots
+    assert victim.key not in eng.micro.flights and victim.slot in eng.free_slots
     assert drafter.num_active() == len([s for s in eng.active.values() if s.req.draft == "remote"])
     del keys[victim.key]
     late = drive(eng, keys)
@@ -211,11 +211,11 @@ def test_off_with_flights_drains_then_runs_plain(tiny):
         eng.add_request(r)
     eng.step()
     eng.step()
-    assert any(s.flight is not None for s in eng.active.values())
+    assert any(s.key in eng.micro.flights for s in eng.active.values())
     eng.set_pipeline(False)
     eng.step()
     eng.step()
-    assert all(s.flight is None for s in eng.active.values())
+    assert not eng.micro.flights
     before = eng.batcher.pipelined_steps
     eng.step()
     assert eng.batcher.pipelined_steps == before

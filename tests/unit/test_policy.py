@@ -9,9 +9,10 @@ whatever γ the policy chose and whatever shares their batch (coupled acceptance
 """
 import pytest
 
-from actors.calibrate import PassCost, choose_dtype, grid, hardware, measure
+from actors.calibrate import PassCost, choose_dtype, grid, measure
 from actors.drafters import ModelDrafter, NgramDrafter
 from actors.engine import SpecEngine
+from actors.hardware import hardware
 from actors.llama import LlamaRunner
 from actors.policy import AUTO_MAX_GAMMA, SpeculationPolicy
 from actors.schema import Request, SamplingParams, SpeculationParams

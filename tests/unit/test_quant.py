@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import distill as D
 from actors.build import build_engine, draft_mode
 from actors.drafters import ModelDrafter
 from actors.drafters.eagle import EagleDrafter, EagleHead
@@ -22,6 +21,7 @@ from actors.engine import SpecEngine
 from actors.llama import LlamaRunner
 from actors.quant import MODES, convert_qat, prepare_qat, quantize_drafter, quantize_runner
 from helpers import request, run
+from specd.train import distill as D
 
 PROMPTS = [[5, 9, 33, 2 + i, 100 + i] for i in range(4)]
 

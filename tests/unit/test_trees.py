@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import actors.acceptance as acceptance_mod
 import actors.llama as llama_mod
 from actors.drafters import Drafter, DraftSeq, NgramDrafter, Proposal
 from actors.drafters.base import apply_view
@@ -176,15 +177,15 @@ class FixedTree(Drafter):
         pass
 
 
-def naive_walk(self, s, logits, drafts, parents):
+def naive_walk(logits, s, drafts, parents):
     """The planted bug: each child accepted with probability p(x), rejected children not removed."""
-    from actors.engine import _children
+    from actors.acceptance import children, process
     from actors.sampling import sample
 
-    kids = _children(parents)
+    kids = children(parents)
     path, cur = [], 0
     while True:
-        p = self._process(logits[cur][None], [s])[0]
+        p = process(logits[cur][None], [s])[0]
         for node in kids.get(cur, []):
             if float(torch.rand((), generator=s.gen)) < float(p[drafts[node - 1]] / p.sum()):
                 path.append(node)
@@ -199,7 +200,7 @@ def first_two(target, monkeypatch, naive: bool) -> torch.Tensor:
 
     monkeypatch.setattr(Request, "coupled", property(lambda self: False))  # the rejection rule, seeded
     if naive:
-        monkeypatch.setattr(SpecEngine, "_walk_sampled", naive_walk)
+        monkeypatch.setattr(acceptance_mod, "walk_sampled", naive_walk)
     eng = SpecEngine(LlamaRunner(target.model), {"fixed": FixedTree()}, eos_token_ids=set(), max_batch=300,
                      max_len=16)
     reqs = [request(f"r{i}", [1, 5, 3, 6], "fixed", 2, max_tokens=3, temperature=1.0, seed=50_000 + i)

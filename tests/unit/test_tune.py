@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from actors.build import build_engine
-from actors.calibrate import PassCost, hardware
+from actors.calibrate import PassCost
 from actors.engine import SpecEngine
+from actors.hardware import hardware
 from actors.llama import LlamaRunner
 from actors.policy import AUTO_MAX_GAMMA, PRIOR_ACCEPT, PROFILE_WEIGHT
 from actors.schema import Request, SamplingParams, SpeculationParams

@@ -40,14 +40,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .build import DRAFT_META
-from .calibrate import draft_step_seconds
-from .drafters.base import KV_HEADROOM
-from .engine import SpecEngine
-from .llama import LlamaRunner
-from .models import LoadedModel, cache_dir, vocab_fingerprint
-from .schema import Request, SamplingParams
-from .text import encode_prompt
+from actors.build import DRAFT_META
+from actors.calibrate import draft_step_seconds
+from actors.drafters.base import KV_HEADROOM
+from actors.engine import SpecEngine
+from actors.llama import LlamaRunner
+from actors.models import LoadedModel, cache_dir, vocab_fingerprint
+from actors.schema import Request, SamplingParams
+from actors.text import encode_prompt
 
 OBJECTIVES = ("fkl", "rkl", "tv", "ntp")
 KINDS = ("eagle3", "eagle", "truncated:K", "small")
@@ -202,7 +202,7 @@ class Student(torch.nn.Module):
         tm = target.model
         self.layers: tuple[int, ...] = (-1,)  # the target features the draft reads (token-level: none used)
         if kind in ("eagle", "eagle3"):
-            from .drafters.eagle import EagleHead
+            from actors.drafters.eagle import EagleHead
             if kind == "eagle3":
                 self.layers = eagle3_layers(tm.config.num_hidden_layers)
             self.head = EagleHead(tm, vmap, init=(small_cfg or {}).get("eagle_init", "last"), features=self.layers)
@@ -538,8 +538,8 @@ def train(student: Student, target: LoadedModel, seqs: list[TeacherSeq], held: l
 def _init_from(cfg: DistillConfig, target: LoadedModel) -> Student:
     """A student holding a `specd distill` EAGLE checkpoint's weights and head vocabulary (an
     `eagle3` student may start from a single-layer head: it then begins as that head)."""
-    from .build import draft_meta, resolve_draft
-    from .drafters.eagle import EagleHead
+    from actors.build import draft_meta, resolve_draft
+    from actors.drafters.eagle import EagleHead
 
     path = resolve_draft(cfg.init_from, target.name)
     meta = draft_meta(path) or {}
@@ -573,8 +573,8 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
         limit: int | None = None, progress: bool = True, samples: int = 1, data_only: bool = False) -> dict:
     """Train one draft on the corpus `data` (see `read_corpus`), evaluate it on the prompts of
     `heldout`, and write its checkpoint plus `report.json` into `out`; returns the report."""
-    from .build import make_drafter, ready_drafter
-    from .models import load_model
+    from actors.build import make_drafter, ready_drafter
+    from actors.models import load_model
 
     cfg = cfg or DistillConfig()
     if cfg.objective not in OBJECTIVES:
@@ -613,7 +613,7 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
         student = Student(cfg.kind, target, vmap, cfg.small)
     coverage = _coverage(held, vmap, vocab)
     if cfg.qat != "none":
-        from .quant import prepare_qat
+        from actors.quant import prepare_qat
         prepare_qat(student, cfg.qat)  # every trainable linear (a frozen LM head is left as it is)
 
     def ev() -> dict:
@@ -624,7 +624,7 @@ def run(data: str | Path, heldout: str | Path, target_spec: str = "smollm2", out
     after = ev()
 
     if cfg.qat != "none":
-        from .quant import convert_qat
+        from actors.quant import convert_qat
         convert_qat(student)
     out = Path(out)
     meta = {"name": out.name, "draft_kind": cfg.kind, "target": target.name,
