@@ -6,12 +6,16 @@
 
 `SpecdClient` (blocking) and `AsyncSpecdClient` (asyncio) share one surface:
 generate, stream, abort, health, is_healthy, stats, load, list_models, close. Failed calls
-raise typed `SpecdError` subclasses (specd_client.errors). Importing this
-package pulls in only grpcio, protobuf, the stdlib and the generated stubs in
-`protos` (no torch, ray, transformers or numpy).
+raise typed `SpecdError` subclasses (specd_client.errors); UNAVAILABLE is retried
+by gRPC's own retry policy (up to MAX_RETRIES re-attempts). Importing this package
+pulls in only grpcio, protobuf, grpcio-health-checking, the stdlib and the
+generated stubs in `protos` (no torch, ray, transformers or numpy).
+
+Installable alone as the `specd-client` distribution (sdk/pyproject.toml).
 """
 from .client import (
                      HEALTH_SERVICE,
+                     MAX_RETRIES,
                      AsyncSpecdClient,
                      Chunk,
                      DraftInfo,
@@ -40,7 +44,7 @@ from .errors import (
 
 __all__ = [
     "SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats", "ReplicaLoad", "ModelsInfo",
-    "DraftInfo", "HEALTH_SERVICE", "build_request",
+    "DraftInfo", "HEALTH_SERVICE", "MAX_RETRIES", "build_request",
     "SpecdError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "Cancelled", "FailedPrecondition", "Unimplemented", "Internal", "Unauthenticated",
 ]

@@ -16,30 +16,37 @@ Transport behaviour, identical for both clients:
     Serve's gRPC proxy routes by (app_name defaults to "specd"; None sends no
     application key, for servers that are not behind Ray Serve).
   * Deadlines: `timeout` (seconds; per call, else the client's default; None =
-    no deadline) is ONE deadline covering the call and all its retries; each
-    attempt gets the remaining time as its gRPC deadline.
-  * Retries: only on UNAVAILABLE, up to `retries` re-attempts after the first
-    (so at most retries + 1 attempts), sleeping backoff * 2**attempt seconds
-    (capped at max_backoff, times a random factor in [0.5, 1] when jitter) in
-    between. Never on INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or
-    any other code. A stream is retried only if it failed before its first chunk
-    arrived, so delivered tokens are never duplicated.
+    no deadline) is the call's gRPC deadline: ONE deadline covering the call and
+    all its retries (a retry that would start after it never starts).
+  * Retries: done by gRPC itself, from the retry policy in the channel's service
+    config (`channel_options`: grpc.enable_retries and grpc.service_config, for
+    the specd.v1.SpecDecode and grpc.health.v1.Health services). Only
+    UNAVAILABLE is retried, at most `retries` times after the first attempt
+    (retries in [0, 4]: gRPC caps an RPC at 5 attempts), with exponential
+    backoff: about `backoff` seconds before the first retry, doubling per retry
+    up to `max_backoff`, each delay jittered by gRPC. Never on
+    INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or any other code.
+    gRPC retries a call only until it is committed, i.e. until the server sent
+    its first response (headers or a message): so a stream is retried only if
+    it failed before its first chunk, and delivered tokens are never duplicated.
+    gRPC keeps a request for its retries only up to the channel's
+    grpc.per_rpc_retry_buffer_size (256 KiB by default): a larger one is not retried.
   * Errors: every failed RPC raises a typed `specd_client.errors.SpecdError`
     subclass carrying the status code and the server's details.
 
-Imports only grpc, protobuf, the stdlib and the generated `protos` stubs.
+Imports only grpc, protobuf, grpc_health (grpcio-health-checking), the stdlib and
+the generated `protos` stubs.
 """
 from __future__ import annotations
 
-import asyncio
-import random
-import time
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 import grpc.aio
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import specd_pb2, specd_pb2_grpc
 
@@ -47,10 +54,17 @@ from . import errors
 from .errors import SpecdError
 
 __all__ = ["SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats",
-           "ModelsInfo", "DraftInfo", "HEALTH_SERVICE"]
+           "ModelsInfo", "DraftInfo", "HEALTH_SERVICE", "MAX_RETRIES", "service_config"]
 
 #: Service name the server registers with grpc.health.v1 (the empty name "" = whole server).
 HEALTH_SERVICE = "specd.v1.SpecDecode"
+
+#: The most re-attempts a client may ask for: gRPC caps a retry policy's maxAttempts at 5.
+MAX_RETRIES = 4
+
+#: The services the retry policy covers: the wire API and the standard health check.
+_RETRIED_SERVICES = (specd_pb2.DESCRIPTOR.services_by_name["SpecDecode"].full_name,
+                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
 
 _FINISH = {
     specd_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -301,37 +315,39 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
     return req
 
 
-# ----------------------------------------------- grpc.health.v1 (no extra dep)
+# ------------------------------------------------- retry policy (service config)
 
-def _health_messages():
-    """HealthCheckRequest/Response classes of grpc.health.v1, built in a private descriptor pool.
+def _duration(seconds: float, name: str) -> str:
+    """`seconds` as a google.protobuf.Duration JSON string ("0.1s"), which the service config takes."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise ValueError(f"{name} must be a finite number of seconds, got {seconds!r}")
+    text = f"{seconds:.9f}".rstrip("0").rstrip(".")
+    if seconds <= 0 or text == "0":
+        raise ValueError(f"{name} must be > 0 seconds (at least 1 ns), got {seconds!r}")
+    return text + "s"
 
-    Avoids a dependency on grpcio-health-checking and cannot clash with its
-    registration of grpc/health/v1/health.proto in the default pool.
+
+def service_config(retries: int = 3, backoff: float = 0.1, max_backoff: float = 2.0) -> dict[str, Any]:
+    """The gRPC service config the clients' channels carry (as JSON, option grpc.service_config).
+
+    One methodConfig for every method of specd.v1.SpecDecode and grpc.health.v1.Health;
+    with retries > 0, its retryPolicy: maxAttempts = retries + 1, retry on UNAVAILABLE
+    only, initialBackoff = backoff, maxBackoff = max_backoff, backoffMultiplier 2.
+    retries = 0: no retryPolicy (one attempt). Raises ValueError outside retries in
+    [0, MAX_RETRIES] or for a backoff that is not > 0.
     """
-    f = descriptor_pb2.FileDescriptorProto(name="specd_client/grpc_health_v1.proto",
-                                           package="grpc.health.v1", syntax="proto3")
-    fd = descriptor_pb2.FieldDescriptorProto
-    req = f.message_type.add(name="HealthCheckRequest")
-    req.field.add(name="service", number=1, type=fd.TYPE_STRING, label=fd.LABEL_OPTIONAL)
-    resp = f.message_type.add(name="HealthCheckResponse")
-    enum = resp.enum_type.add(name="ServingStatus")
-    for number, name in enumerate(["UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"]):
-        enum.value.add(name=name, number=number)
-    resp.field.add(name="status", number=1, type=fd.TYPE_ENUM, label=fd.LABEL_OPTIONAL,
-                   type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    get = message_factory.GetMessageClass
-    return (get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")),
-            get(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse")))
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+        raise ValueError(f"retries must be an integer in [0, {MAX_RETRIES}] (gRPC makes at most "
+                         f"{MAX_RETRIES + 1} attempts per call), got {retries!r}")
+    method: dict[str, Any] = {"name": [{"service": s} for s in _RETRIED_SERVICES]}
+    initial, cap = _duration(backoff, "backoff"), _duration(max_backoff, "max_backoff")
+    if retries:
+        method["retryPolicy"] = {"maxAttempts": retries + 1, "initialBackoff": initial, "maxBackoff": cap,
+                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+    return {"methodConfig": [method]}
 
 
-_HealthCheckRequest, _HealthCheckResponse = _health_messages()
-_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-
-
-def _health_status(resp) -> str:
+def _health_status(resp: health_pb2.HealthCheckResponse) -> str:
     value = resp.DESCRIPTOR.fields_by_name["status"].enum_type.values_by_number.get(resp.status)
     return value.name if value is not None else "UNKNOWN"
 
@@ -340,20 +356,16 @@ def _health_status(resp) -> str:
 
 class _Base:
     def __init__(self, address: str, *, timeout: float | None = None, retries: int = 3,
-                 backoff: float = 0.1, max_backoff: float = 2.0, jitter: bool = True,
+                 backoff: float = 0.1, max_backoff: float = 2.0,
                  app_name: str | None = "specd", metadata: Sequence[tuple[str, str]] = (),
                  credentials: grpc.ChannelCredentials | None = None,
                  options: Sequence[tuple[str, Any]] = (), token: str | None = None):
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        if backoff < 0:
-            raise ValueError(f"backoff must be >= 0, got {backoff}")
+        config = service_config(retries, backoff, max_backoff)  # validates retries and the backoffs
         self.address = address
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self.jitter = jitter
         self.app_name = app_name
         md = [("application", app_name)] if app_name is not None else []
         md += [(str(k).lower(), v) for k, v in metadata]
@@ -361,31 +373,16 @@ class _Base:
             md.append(("authorization", f"Bearer {token}"))
         self.metadata: tuple[tuple[str, str], ...] = tuple(md)
         self._credentials = credentials
-        self._options = list(options)
+        # The channel's options: the retry policy, then the caller's (an option the caller
+        # names, e.g. its own grpc.service_config, replaces the client's).
+        user = list(options)
+        named = {k for k, _ in user}
+        ours = [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+        self.channel_options: tuple[tuple[str, Any], ...] = tuple([o for o in ours if o[0] not in named] + user)
 
-    def _deadline(self, timeout: Any) -> float | None:
-        t = self.timeout if timeout is _DEFAULT else timeout
-        return None if t is None else time.monotonic() + t
-
-    def _remaining(self, deadline: float | None, method: str) -> float | None:
-        if deadline is None:
-            return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise errors.DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                          "deadline passed before the call could be (re)tried", method=method)
-        return left
-
-    def _sleep_for(self, attempt: int, err: grpc.RpcError, deadline: float | None, method: str) -> float:
-        """Backoff before re-attempt `attempt + 1`; raises the typed error if no retry is allowed."""
-        if err.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
-            raise errors.from_rpc_error(err, method) from err
-        delay = min(self.backoff * (2 ** attempt), self.max_backoff)
-        if self.jitter:
-            delay *= random.uniform(0.5, 1.0)
-        if deadline is not None and time.monotonic() + delay >= deadline:
-            raise errors.from_rpc_error(err, method) from err  # no time left for another attempt
-        return delay
+    def _timeout(self, timeout: Any) -> float | None:
+        """The call's gRPC deadline in seconds from now (it spans every retry gRPC makes)."""
+        return self.timeout if timeout is _DEFAULT else timeout
 
 
 # -------------------------------------------------------------- sync client
@@ -395,12 +392,16 @@ class SpecdClient(_Base):
 
     address: "host:port" of the Ray Serve gRPC proxy (or of a direct server).
     timeout: default per-call deadline in seconds (None = none); overridable per call.
-    retries / backoff / max_backoff / jitter: UNAVAILABLE retry policy (see module doc).
+    retries / backoff / max_backoff: gRPC's retry policy for UNAVAILABLE (see module doc):
+        retries in [0, 4] re-attempts (0 = none), about `backoff` seconds before the first,
+        doubling up to `max_backoff`. ValueError outside these ranges.
     app_name: Ray Serve application to route to, sent as ("application", app_name)
         metadata on every call; None sends no application key (direct servers).
     metadata: extra (key, value) metadata sent on every call.
     credentials: grpc.ssl_channel_credentials(...) for TLS; None = plaintext.
-    options: extra grpc channel options.
+    options: extra grpc channel options, after the client's own (`channel_options`); one
+        named here replaces the client's (a grpc.service_config given here replaces the
+        retry policy built from retries / backoff / max_backoff).
     token: a bearer token for servers with `auth` configured, sent as
         ("authorization", "Bearer <token>") metadata on every call.
     """
@@ -408,23 +409,17 @@ class SpecdClient(_Base):
     def __init__(self, address: str, **kwargs: Any):
         super().__init__(address, **kwargs)
         if self._credentials is not None:
-            self._channel = grpc.secure_channel(address, self._credentials, options=self._options)
+            self._channel = grpc.secure_channel(address, self._credentials, options=self.channel_options)
         else:
-            self._channel = grpc.insecure_channel(address, options=self._options)
+            self._channel = grpc.insecure_channel(address, options=self.channel_options)
         self._stub = specd_pb2_grpc.SpecDecodeStub(self._channel)
-        self._health = self._channel.unary_unary(
-            _HEALTH_CHECK, request_serializer=_HealthCheckRequest.SerializeToString,
-            response_deserializer=_HealthCheckResponse.FromString)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _unary(self, rpc, request, timeout: Any, method: str):
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            try:
-                return rpc(request, timeout=self._remaining(deadline, method), metadata=self.metadata)
-            except grpc.RpcError as e:
-                time.sleep(self._sleep_for(attempt, e, deadline, method))
-                attempt += 1
+        try:
+            return rpc(request, timeout=self._timeout(timeout), metadata=self.metadata)
+        except grpc.RpcError as e:  # after gRPC's retries, if any were allowed
+            raise errors.from_rpc_error(e, method) from e
 
     def generate(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
                  timeout: float | None = _DEFAULT, **params: Any) -> Result:
@@ -445,25 +440,14 @@ class SpecdClient(_Base):
         return self._stream(req, timeout)
 
     def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> Iterator[Chunk]:
-        method = "GenerateStream"
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            call = self._stub.GenerateStream(req, timeout=self._remaining(deadline, method),
-                                             metadata=self.metadata)
-            received = False
-            try:
-                for resp in call:
-                    received = True
-                    yield _chunk(resp)
-                return
-            except grpc.RpcError as e:
-                if received:  # never retry once tokens were delivered
-                    raise errors.from_rpc_error(e, method) from e
-                time.sleep(self._sleep_for(attempt, e, deadline, method))
-                attempt += 1
-            finally:
-                call.cancel()  # no-op when the call already finished
+        call = self._stub.GenerateStream(req, timeout=self._timeout(timeout), metadata=self.metadata)
+        try:
+            for resp in call:
+                yield _chunk(resp)
+        except grpc.RpcError as e:  # gRPC retried it only if nothing had arrived yet
+            raise errors.from_rpc_error(e, "GenerateStream") from e
+        finally:
+            call.cancel()  # no-op when the call already finished
 
     def health(self, service: str = "", *, timeout: float | None = _DEFAULT) -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".
@@ -472,7 +456,8 @@ class SpecdClient(_Base):
         Raises a SpecdError if the check itself fails (e.g. NotFound for an
         unregistered service name, Unavailable when unreachable after retries).
         """
-        resp = self._unary(self._health, _HealthCheckRequest(service=service), timeout, "Health.Check")
+        resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout,
+                           "Health.Check")
         return _health_status(resp)
 
     def is_healthy(self, service: str = "", *, timeout: float | None = _DEFAULT) -> bool:
@@ -525,31 +510,25 @@ class AsyncSpecdClient(_Base):
         super().__init__(address, **kwargs)
         self._channel: grpc.aio.Channel | None = None
         self._stub: specd_pb2_grpc.SpecDecodeStub | None = None
-        self._health = None
+        self._health: health_pb2_grpc.HealthStub | None = None
 
     def _ensure(self) -> specd_pb2_grpc.SpecDecodeStub:
         if self._channel is None:
             if self._credentials is not None:
-                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials,
+                                                        options=self.channel_options)
             else:
-                self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+                self._channel = grpc.aio.insecure_channel(self.address, options=self.channel_options)
             self._stub = specd_pb2_grpc.SpecDecodeStub(self._channel)
-            self._health = self._channel.unary_unary(
-                _HEALTH_CHECK, request_serializer=_HealthCheckRequest.SerializeToString,
-                response_deserializer=_HealthCheckResponse.FromString)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._stub
 
     async def _unary(self, get_rpc, request, timeout: Any, method: str):
         self._ensure()
-        rpc = get_rpc()
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            try:
-                return await rpc(request, timeout=self._remaining(deadline, method), metadata=self.metadata)
-            except grpc.RpcError as e:
-                await asyncio.sleep(self._sleep_for(attempt, e, deadline, method))
-                attempt += 1
+        try:
+            return await get_rpc()(request, timeout=self._timeout(timeout), metadata=self.metadata)
+        except grpc.RpcError as e:  # after gRPC's retries, if any were allowed
+            raise errors.from_rpc_error(e, method) from e
 
     async def generate(self, prompt: str | None = None, messages: Iterable[Any] | None = None, *,
                        timeout: float | None = _DEFAULT, **params: Any) -> Result:
@@ -570,31 +549,20 @@ class AsyncSpecdClient(_Base):
         return self._stream(req, timeout)
 
     async def _stream(self, req: specd_pb2.GenerateRequest, timeout: Any) -> AsyncIterator[Chunk]:
-        method = "GenerateStream"
         stub = self._ensure()
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            call = stub.GenerateStream(req, timeout=self._remaining(deadline, method), metadata=self.metadata)
-            received = False
-            try:
-                async for resp in call:
-                    received = True
-                    yield _chunk(resp)
-                return
-            except grpc.RpcError as e:
-                if received:  # never retry once tokens were delivered
-                    raise errors.from_rpc_error(e, method) from e
-                delay = self._sleep_for(attempt, e, deadline, method)
-            finally:
-                call.cancel()  # no-op when the call already finished
-            await asyncio.sleep(delay)
-            attempt += 1
+        call = stub.GenerateStream(req, timeout=self._timeout(timeout), metadata=self.metadata)
+        try:
+            async for resp in call:
+                yield _chunk(resp)
+        except grpc.RpcError as e:  # gRPC retried it only if nothing had arrived yet
+            raise errors.from_rpc_error(e, "GenerateStream") from e
+        finally:
+            call.cancel()  # no-op when the call already finished
 
     async def health(self, service: str = "", *, timeout: float | None = _DEFAULT) -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
-        resp = await self._unary(lambda: self._health, _HealthCheckRequest(service=service), timeout,
-                                 "Health.Check")
+        resp = await self._unary(lambda: self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                                 timeout, "Health.Check")
         return _health_status(resp)
 
     async def is_healthy(self, service: str = "", *, timeout: float | None = _DEFAULT) -> bool:

@@ -52,7 +52,7 @@ class ResourceExhausted(SpecdError):
 
 
 class Unavailable(SpecdError):
-    """UNAVAILABLE: no server/replica reachable; retried with exponential backoff."""
+    """UNAVAILABLE: no server/replica reachable; retried by the channel's gRPC retry policy."""
 
     retryable = True
 

@@ -11,8 +11,11 @@ is tested elsewhere.
 
 Behaviour tests run against both SpecdClient and AsyncSpecdClient (the async
 one through a small event-loop facade); test_async_native uses the async API
-directly. test_sdk_imports_only_grpc_and_protobuf proves the import isolation
-in a fresh venv that has only grpcio and protobuf.
+directly. Retries are gRPC's own (the channel's service config): the tests count
+the attempts the double sees. test_sdk_imports_only_grpc_and_protobuf proves the
+import isolation in a fresh venv that has only grpcio, protobuf and
+grpcio-health-checking; test_sdk_install.py installs the SDK's own wheel and
+streams from `serve()` here.
 """
 from __future__ import annotations
 
@@ -177,9 +180,9 @@ class Servicer(specd_pb2_grpc.SpecDecodeServicer):
                     specd_pb2.DraftInfo(name="truncated:4", kind="truncated", default_gamma=3)])
 
 
-@pytest.fixture(scope="module")
-def server():
-    script = Script()
+@contextlib.contextmanager
+def serve(script: Script):
+    """The double and the standard health servicer on a loopback port: yields "127.0.0.1:PORT"."""
     srv = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[Interceptor(script)])
     specd_pb2_grpc.add_SpecDecodeServicer_to_server(Servicer(script), srv)
     hs = health.HealthServicer()
@@ -189,8 +192,17 @@ def server():
     health_pb2_grpc.add_HealthServicer_to_server(hs, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     srv.start()
-    yield f"127.0.0.1:{port}", script
-    srv.stop(grace=None)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        srv.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def server():
+    script = Script()
+    with serve(script) as address:
+        yield address, script
 
 
 @pytest.fixture
@@ -235,6 +247,8 @@ class AsyncFacade:
 
     def __getattr__(self, name):
         attr = getattr(self.c, name)
+        if not callable(attr):  # plain attributes (channel_options, metadata) as they are
+            return attr
         return lambda *a, **kw: self._run(attr(*a, **kw))
 
     def stream_collect(self, *a, **kw):
@@ -359,11 +373,72 @@ def test_retry_gives_up_after_retries(make_client, script):
     assert script.count("ListModels") == 1
 
 
-def test_backoff_is_exponential(make_client, script):
+def _service_config(client) -> dict:
+    options = dict(client.channel_options)
+    assert options["grpc.enable_retries"] == 1
+    return json.loads(options["grpc.service_config"])
+
+
+def test_retry_policy_is_grpcs(make_client, script):
+    """The retries are gRPC's: the channel's service config carries the configured policy, and the
+    server sees exactly retries + 1 attempts of a call that keeps failing with UNAVAILABLE."""
+    services = [{"service": "specd.v1.SpecDecode"}, {"service": "grpc.health.v1.Health"}]
+    for retries in (1, 4):
+        c = make_client(retries=retries, backoff=0.01, max_backoff=0.25)
+        [method] = _service_config(c)["methodConfig"]
+        assert method == {"name": services, "retryPolicy": {
+            "maxAttempts": retries + 1, "initialBackoff": "0.01s", "maxBackoff": "0.25s", "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"]}}
+        script.__init__()
+        script.fail_unavailable = 100
+        with pytest.raises(Unavailable):
+            c.generate("hi")
+        with pytest.raises(Unavailable):
+            c.health()
+        chunks, err = c.stream_collect("hi")
+        assert chunks == [] and isinstance(err, Unavailable)
+        assert script.count("Generate") == script.count("Check") == script.count("GenerateStream") == retries + 1
+
+    c = make_client(retries=0)  # no retryPolicy at all: one attempt
+    assert _service_config(c) == {"methodConfig": [{"name": services}]}
+    script.__init__()
+    script.fail_unavailable = 100
+    with pytest.raises(Unavailable):
+        c.generate("hi")
+    assert script.count("Generate") == 1
+
+    # a grpc.service_config among the caller's options replaces the client's (here: no retries)
+    c = make_client(retries=3, options=[("grpc.service_config", json.dumps({"methodConfig": []}))])
+    assert _service_config(c) == {"methodConfig": []}
+    script.__init__()
+    script.fail_unavailable = 100
+    with pytest.raises(Unavailable):
+        c.generate("hi")
+    assert script.count("Generate") == 1
+
+
+@pytest.mark.parametrize("kw,match", [({"retries": 5}, "retries must be an integer in \\[0, 4\\]"),
+                                      ({"retries": -1}, "retries must be"), ({"retries": 1.5}, "retries must be"),
+                                      ({"backoff": 0}, "backoff must be > 0"),
+                                      ({"max_backoff": -1.0}, "max_backoff must be > 0"),
+                                      ({"backoff": float("nan")}, "backoff must be a finite")])
+def test_retry_arguments_are_validated(kw, match):
+    for cls in (SpecdClient, AsyncSpecdClient):
+        with pytest.raises(ValueError, match=match):
+            cls("127.0.0.1:1", **kw)
+
+
+def test_backoff_reaches_grpc(make_client, script):
+    """gRPC waits `backoff` (jittered by +-20%) before the first retry, doubling up to `max_backoff`."""
     script.fail_unavailable = 2
     t0 = time.monotonic()
-    make_client(retries=2, backoff=0.05, jitter=False).generate("hi")
-    assert time.monotonic() - t0 >= 0.05 + 0.10 - 0.005
+    assert make_client(retries=2, backoff=0.1, max_backoff=0.15).generate("hi").text == "hi"
+    assert time.monotonic() - t0 >= 0.8 * (0.1 + 0.15) - 0.01  # 0.1 s, then 0.2 s capped at 0.15 s
+    assert script.count("Generate") == 3
+    script.fail_unavailable = 4
+    t0 = time.monotonic()
+    make_client(retries=4, backoff=0.05, max_backoff=0.05).generate("hi")  # uncapped: 0.75 s
+    assert 0.8 * 4 * 0.05 - 0.01 <= time.monotonic() - t0 < 0.5 and script.count("Generate") == 3 + 5
 
 
 def test_unreachable_server_gives_up(make_client):
@@ -387,7 +462,7 @@ def socket_port():
 def test_no_retry_on_client_or_capacity_errors(make_client, script, code, cls):
     details = f"max_tokens must be in [1, 2048], got 5000 ({code.name})"
     script.error = (code, details)
-    c = make_client(retries=5)
+    c = make_client(retries=4)
     with pytest.raises(cls) as ei:
         c.generate("hi", max_tokens=5000)
     assert script.count("Generate") == 1
@@ -415,12 +490,17 @@ def test_deadline(make_client, script):
 
 
 def test_deadline_bounds_retries(make_client, script):
-    """The timeout is one deadline for all attempts: retries stop when it would pass."""
+    """The timeout is one deadline for all attempts: gRPC stops retrying when it passes."""
     script.fail_unavailable = 100
+    c = make_client(retries=4, backoff=0.2, max_backoff=1.0, timeout=0.3)  # retries alone would take ~3 s
     t0 = time.monotonic()
-    with pytest.raises((Unavailable, DeadlineExceeded)):
-        make_client(retries=50, backoff=0.05, jitter=False, timeout=0.3).generate("hi")
-    assert time.monotonic() - t0 < 1.0 and script.count("Generate") < 6
+    with pytest.raises(DeadlineExceeded):
+        c.generate("hi")
+    assert time.monotonic() - t0 < 1.0 and 1 <= script.count("Generate") < 5
+    t0 = time.monotonic()
+    chunks, err = c.stream_collect("hi")
+    assert chunks == [] and isinstance(err, DeadlineExceeded)
+    assert time.monotonic() - t0 < 1.0 and 1 <= script.count("GenerateStream") < 5
 
 
 def test_stream_retried_only_before_first_chunk(make_client, script):
@@ -518,19 +598,23 @@ def _runtime_requires(dist: str) -> set[str]:
 
 
 def test_sdk_imports_only_grpc_and_protobuf(tmp_path):
-    """Importing the SDK pulls in only grpcio and protobuf: proven in a fresh venv without ray or torch.
+    """Importing the SDK pulls in only grpcio, protobuf and grpcio-health-checking: proven in a fresh
+    venv without ray or torch.
 
     The venv (`venv --without-pip`, no system site-packages) sees, via one .pth
     file, a directory holding symlinks to exactly: grpc, google.protobuf (+ its
-    upb extension), typing_extensions (grpcio's only runtime dependency), their
-    dist-info, and this repo's specd_client and protos packages.
+    upb extension), grpc_health, typing_extensions (grpcio's only runtime
+    dependency), their dist-info, and this repo's specd_client and protos packages.
     """
     import google.protobuf
+    import grpc_health
     import typing_extensions
 
-    # the shim must cover grpcio's and protobuf's declared runtime deps
+    # the shim must cover the declared runtime deps of grpcio, protobuf and grpcio-health-checking
     assert _runtime_requires("grpcio") <= {"typing-extensions"}, _runtime_requires("grpcio")
     assert _runtime_requires("protobuf") == set(), _runtime_requires("protobuf")
+    assert _runtime_requires("grpcio-health-checking") <= {"grpcio", "protobuf"}, \
+        _runtime_requires("grpcio-health-checking")
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
@@ -544,13 +628,14 @@ def test_sdk_imports_only_grpc_and_protobuf(tmp_path):
     links = {
         shim / "grpc": Path(grpc.__file__).parent,
         shim / "google" / "protobuf": protobuf_dir,
+        shim / "grpc_health": Path(grpc_health.__file__).parent,
         shim / "typing_extensions.py": Path(typing_extensions.__file__),
         shim / "specd_client": ROOT / "specd_client",
         shim / "protos": ROOT / "protos",
     }
     if (protobuf_dir.parent / "_upb").is_dir():  # protobuf's C extension lives in google/_upb
         links[shim / "google" / "_upb"] = protobuf_dir.parent / "_upb"
-    for dist in ("grpcio", "protobuf", "typing_extensions"):
+    for dist in ("grpcio", "protobuf", "grpcio-health-checking", "typing_extensions"):
         info = _dist_dir(dist)
         if info.is_dir():
             links[shim / info.name] = info
@@ -565,7 +650,7 @@ def test_sdk_imports_only_grpc_and_protobuf(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(out["prefix"]).resolve() == venv.resolve()
     assert out["loaded"] == [] and out["importable"] == [], out
-    allowed = {"grpc", "google", "typing_extensions", "specd_client", "protos"}
+    allowed = {"grpc", "google", "grpc_health", "typing_extensions", "specd_client", "protos"}
     extra = {m for m in out["third_party"] if m not in allowed and not m.startswith(("_cython", "cython_"))}
     assert not extra, f"the SDK imported unexpected third-party modules: {sorted(extra)}"
 
