@@ -3,9 +3,12 @@
 A `Request` (prompt token ids + `SamplingParams` + `SpeculationParams`) is what the
 router, the engine, the CLI and the benchmarks all build. `validate(request, limits)`
 checks every field against the serving `Limits` and returns the request with the
-server defaults resolved; a `ValueError` names the field (by its path in the wire
-API, e.g. ``sampling.max_tokens``) and the limit, and becomes INVALID_ARGUMENT
-(HTTP 400) with the same message everywhere.
+server defaults resolved: each field's own bounds are a pydantic rule (`_RULES`, strict:
+no bool for a number, no float for an integer, no NaN or infinity), and what depends on
+the limits or on other fields is checked in `validate`. A `ValueError` names the field (by
+its path in the wire API, e.g. ``sampling.max_tokens``) and the limit, and becomes
+INVALID_ARGUMENT (HTTP 400) with the same message everywhere: the only validation of a
+request's values (the transports check only that the wire types fit).
 
 `SpecStats` are the speculation counters of one request or of many (vLLM's
 convention: drafts, draft tokens, accepted tokens, accepted per position; mean
@@ -18,9 +21,11 @@ these to and from the proto.
 """
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import asdict, dataclass, field, replace
-from typing import Mapping
+from typing import Annotated, Literal, Mapping
+
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
 QUANT_MODES = ("none", "int8-weight", "int8-dynamic", "mixed")  # weight modes, see actors/quant.py
@@ -149,59 +154,117 @@ class Limits:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be in [1, context ({self.context}))")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _rule(tp, check=None):
+    """A field's rule as a pydantic TypeAdapter (strict: no bool for a number, no float for an int,
+    no NaN or infinity), with an optional extra check."""
+    if check is not None:
+        tp = Annotated[tp, AfterValidator(lambda v: v if check(v) else _fail())]
+    return TypeAdapter(tp, config=ConfigDict(strict=True, allow_inf_nan=False))
 
 
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _fail():
+    raise ValueError("out of range")
+
+
+@functools.lru_cache(maxsize=64)
+def _between(lo: int, hi: int) -> TypeAdapter:
+    return _rule(Annotated[int, Field(ge=lo, le=hi)])
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids(vocab: int) -> TypeAdapter:
+    return _rule(list[Annotated[int, Field(ge=0, lt=vocab)]])
+
+
+_NUMBER = float  # strict float: ints pass, bools and NaN/inf do not
+_RULES = {  # field (its wire path) -> its rule; the message says what the rule says
+    "request_id": (_rule(str, lambda s: len(s.encode()) <= MAX_REQUEST_ID_BYTES),
+                   f"request_id must be a string of at most {MAX_REQUEST_ID_BYTES} bytes"),
+    # (Bounds that survive float32: a temperature of 1e-300 is 0 on the device, 1e-40 a subnormal.)
+    "sampling.temperature": (_rule(_NUMBER, lambda t: t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+                             f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                             "got {v}"),
+    "sampling.top_p": (_rule(Annotated[_NUMBER, Field(ge=MIN_TOP_P, le=1)]),
+                       f"sampling.top_p must be in [{MIN_TOP_P}, 1], got {{v}}"),
+    "sampling.top_k": (_rule(Annotated[int, Field(ge=0)]), "sampling.top_k must be >= 0, got {v}"),
+    "sampling.seed": (_rule(Annotated[int, Field(ge=0, le=MAX_SEED)] | None),
+                      f"sampling.seed must be in [0, {MAX_SEED}], got {{v}}"),
+    "sampling.stop": (_rule(tuple, lambda s: len(s) <= MAX_STOP_STRINGS),
+                      f"sampling.stop holds at most {MAX_STOP_STRINGS} strings, got {{n}}"),
+    "sampling.stop strings": (_rule(tuple[Annotated[str, Field(min_length=1)], ...]),
+                              "sampling.stop strings must be non-empty strings"),
+    "sampling.length_penalty": (_rule(Annotated[_NUMBER, Field(ge=-10, le=10)]),
+                                "sampling.length_penalty must be a number in [-10, 10], got {v!r}"),
+    "sampling.early_stopping": (_rule(bool), "sampling.early_stopping must be true or false, got {v!r}"),
+    "speculation.gamma": (_rule(Literal["auto"] | Annotated[int, Field(ge=0, le=MAX_GAMMA)]),
+                          f"speculation.gamma must be in [0, {MAX_GAMMA}] or {AUTO!r}, got {{v!r}}"),
+    "speculation.tree": (_rule(Annotated[int, Field(ge=0, le=MAX_TREE)] | None),
+                         f"speculation.tree must be in [0, {MAX_TREE}], got {{v!r}}"),
+    "speculation.threshold": (_rule(Annotated[_NUMBER, Field(ge=0, le=1)]),
+                              "speculation.threshold must be in [0, 1], got {v!r}"),
+    "speculation.entropy_gate": (_rule(Annotated[_NUMBER, Field(ge=0)] | None),
+                                 "speculation.entropy_gate must be a number of nats >= 0, got {v!r}"),
+    "speculation.acceptance": (_rule(str, lambda a: _acceptance_ok(a)),
+                               f"speculation.acceptance must be 'lossless', 'topk:K' with K in [1, {MAX_TOPK_ACCEPT}] "
+                               "or 'typical:EPS' with EPS in (0, 1), got {v!r}"),
+}
+
+
+def _check(name: str, value, adapter: TypeAdapter | None = None, message: str | None = None, **fmt) -> None:
+    """Raise ValueError(message) unless `value` passes the field's rule."""
+    rule, msg = _RULES[name] if adapter is None else (adapter, message)
+    try:
+        rule.validate_python(value)
+    except ValidationError:
+        raise ValueError(msg.format(v=value, **fmt)) from None
+
+
+def _acceptance_ok(a: str) -> bool:
+    if a == "lossless":
+        return True
+    kind, _, val = a.partition(":")
+    if kind == "topk":
+        return val.isdigit() and 1 <= int(val) <= MAX_TOPK_ACCEPT
+    try:
+        return kind == "typical" and 0 < float(val) < 1
+    except ValueError:
+        return False
 
 
 def validate(req: Request, limits: Limits) -> Request:
     """Check `req` against `limits`; return a copy with the defaults resolved
     (max_tokens set; draft and gamma set, draft NO_DRAFT and gamma 0 when speculation is off).
-    Raises ValueError naming the field and the limit."""
-    if not isinstance(req.request_id, str) or len(req.request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise ValueError(f"request_id must be a string of at most {MAX_REQUEST_ID_BYTES} bytes")
+    Raises ValueError naming the field and the limit. Each field's own bounds are its rule in
+    `_RULES`; what depends on the server's limits or on other fields is checked here."""
+    _check("request_id", req.request_id)
     ids = req.prompt_ids
     if not ids:
         raise ValueError("prompt must not be empty")
-    if limits.vocab_size is not None and any(not _is_int(t) or not 0 <= t < limits.vocab_size for t in ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
+    if limits.vocab_size is not None:
+        _check("prompt", list(ids), _token_ids(limits.vocab_size),
+               f"prompt token ids must be integers in [0, {limits.vocab_size})")
     s = req.sampling
     max_tokens = limits.default_max_tokens if s.max_tokens is None else s.max_tokens
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens:
-        raise ValueError(f"sampling.max_tokens must be in [1, {limits.max_tokens}], got {max_tokens}")
+    _check("sampling.max_tokens", max_tokens, _between(1, limits.max_tokens),
+           f"sampling.max_tokens must be in [1, {limits.max_tokens}], got {{v}}")
     if len(ids) + max_tokens > limits.context:
         raise ValueError(f"prompt is {len(ids)} tokens; prompt + sampling.max_tokens ({max_tokens}) must fit "
                          f"the context of {limits.context} tokens")
-    # (Bounds that survive float32: a temperature of 1e-300 is 0 on the device, 1e-40 a subnormal.)
-    if not _is_num(s.temperature) or not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE):
-        raise ValueError(f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                         f"got {s.temperature}")
-    if not _is_num(s.top_p) or not MIN_TOP_P <= s.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in [{MIN_TOP_P}, 1], got {s.top_p}")
-    if not _is_int(s.top_k) or s.top_k < 0:
-        raise ValueError(f"sampling.top_k must be >= 0, got {s.top_k}")
-    if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
-        raise ValueError(f"sampling.seed must be in [0, {MAX_SEED}], got {s.seed}")
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        _check(f"sampling.{name}", getattr(s, name))
     stop = tuple(s.stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"sampling.stop holds at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-    if any(not isinstance(x, str) or not x for x in stop):
-        raise ValueError("sampling.stop strings must be non-empty strings")
+    _check("sampling.stop", stop, n=len(stop))
+    _check("sampling.stop strings", stop)
     beams = min(MAX_BEAMS, limits.max_beams)
-    if not _is_int(s.num_beams) or not 1 <= s.num_beams <= beams:
-        raise ValueError(f"sampling.num_beams must be in [1, {beams}], got {s.num_beams!r}")
+    _check("sampling.num_beams", s.num_beams, _between(1, beams), f"sampling.num_beams must be in [1, {beams}], "
+           "got {v!r}")
     if s.num_beams > 1:
         if s.temperature != 0:
             raise ValueError("sampling.num_beams > 1 is beam search: sampling.temperature must be 0")
         if stop:
             raise ValueError("sampling.stop is not supported with sampling.num_beams > 1")
-    if not _is_num(s.length_penalty) or abs(s.length_penalty) > 10:
-        raise ValueError(f"sampling.length_penalty must be a number in [-10, 10], got {s.length_penalty!r}")
-    if not isinstance(s.early_stopping, bool):
-        raise ValueError(f"sampling.early_stopping must be true or false, got {s.early_stopping!r}")
+    _check("sampling.length_penalty", s.length_penalty)
+    _check("sampling.early_stopping", s.early_stopping)
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft
     draft = limits.aliases.get(draft, draft)  # a spec the server serves under a name of its own
@@ -214,41 +277,18 @@ def validate(req: Request, limits: Limits) -> Request:
         gamma = 0 if draft == NO_DRAFT else AUTO if draft == AUTO_DRAFT else limits.drafts[draft]
     else:
         gamma = sp.gamma
-        if gamma != AUTO and (not _is_int(gamma) or not 0 <= gamma <= MAX_GAMMA):
-            raise ValueError(f"speculation.gamma must be in [0, {MAX_GAMMA}] or {AUTO!r}, got {gamma!r}")
-    if sp.tree is not None and (not _is_int(sp.tree) or not 0 <= sp.tree <= MAX_TREE):
-        raise ValueError(f"speculation.tree must be in [0, {MAX_TREE}], got {sp.tree!r}")
+        _check("speculation.gamma", gamma)
     threshold = limits.default_threshold if sp.threshold is None else sp.threshold
-    if not _is_num(threshold) or not 0 <= threshold <= 1:
-        raise ValueError(f"speculation.threshold must be in [0, 1], got {threshold!r}")
-    if sp.entropy_gate is not None and (not _is_num(sp.entropy_gate) or sp.entropy_gate < 0):
-        raise ValueError(f"speculation.entropy_gate must be a number of nats >= 0, got {sp.entropy_gate!r}")
-    _check_acceptance(sp.acceptance)
+    _check("speculation.tree", sp.tree)
+    _check("speculation.threshold", threshold)
+    _check("speculation.entropy_gate", sp.entropy_gate)
+    _check("speculation.acceptance", sp.acceptance)
     if draft == NO_DRAFT or gamma == 0:
         draft, gamma = NO_DRAFT, 0
     return replace(req, prompt_ids=list(ids),
                    sampling=replace(s, max_tokens=max_tokens, stop=stop),
                    speculation=SpeculationParams(draft=draft, gamma=gamma, tree=sp.tree, threshold=threshold,
                                                  entropy_gate=sp.entropy_gate, acceptance=sp.acceptance))
-
-
-def _check_acceptance(a) -> None:
-    msg = (f"speculation.acceptance must be 'lossless', 'topk:K' with K in [1, {MAX_TOPK_ACCEPT}] or "
-           f"'typical:EPS' with EPS in (0, 1), got {a!r}")
-    if not isinstance(a, str):
-        raise ValueError(msg)
-    if a == "lossless":
-        return
-    kind, _, val = a.partition(":")
-    try:
-        v = float(val)
-    except ValueError:
-        raise ValueError(msg) from None
-    if kind == "topk" and val.isdigit() and 1 <= int(val) <= MAX_TOPK_ACCEPT:
-        return
-    if kind == "typical" and 0 < v < 1:
-        return
-    raise ValueError(msg)
 
 
 def validate_messages(messages: list) -> list[dict]:
