@@ -255,7 +255,8 @@ class VllmSpeculativeConfig(_Strict):
 
 class ClusterConfig(_Strict):
     app_name: str = "specd"
-    route_prefix: str = "/specd"
+    route_prefix: str = Field("/", description="where Serve's HTTP proxy mounts the app: the OpenAI API at "
+                              "{prefix}/v1, /health, /ping and /version under it")
     model: str = Field("smollm2", description="target: 'smollm2', 'tiny[:SEED]', a Hugging Face model directory or "
                        "a hub id 'org/name[@revision]' (from the local hub cache; HF_HUB_OFFLINE, HF_TOKEN honoured)")
     served_model_name: str | None = Field(None, description="the model's name to clients: /v1/models, ListModels "

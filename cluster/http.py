@@ -1,19 +1,25 @@
-"""The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, and
+vLLM's `/health`, `/ping` and `/version`.
 
 A FastAPI app over one `Router` replica, which Serve mounts as that deployment's ingress
 (`RouterDeployment.__serve_build_asgi_app__`), so the HTTP proxy reaches it under the app's
-`route_prefix` (`http://HOST:PORT/specd/v1/...` by default). A request body becomes the router's
+`route_prefix` (`http://HOST:PORT/v1/...` with the default prefix "/"). `GET /health` (and
+`/ping`) answers 200 once a verifier replica answers, 503 before; `GET /version` the version. A request body becomes the router's
 `schema.Request` here (`_Body.request_args`) and streams through the transport-neutral core
 (`Router.generate`): the same bearer-token check (header `Authorization: Bearer <token>`),
 validation, admission and coalescing as gRPC. A request's deadline: the `X-Request-Timeout`
 header (seconds), else `router.request_timeout_s`. A client that disconnects mid-stream ends its
 stream: the router cancels the generation (unless coalesced callers remain), which frees its KV.
 
-Beside OpenAI's fields (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`; `n` must
-be 1) a body may carry specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
+Beside OpenAI's fields (`max_tokens`, chat's `max_completion_tokens`, `temperature`, `top_p`,
+`stop`, `seed`, `stream`, `stream_options.include_usage`) a body may carry vLLM's `ignore_eos`
+and `return_token_ids`, and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
 `threshold`, `entropy_gate`, `acceptance`, `top_k`, `num_beams`, `length_penalty`,
-`early_stopping`, `request_id` (for Abort) and vLLM's `return_token_ids`. Any other field is
-refused, naming it.
+`early_stopping`, `request_id` (for Abort). As vLLM does, a field the server does not know is
+accepted and named in one warning log line per request. A field that would change the output in
+a way this server cannot honour yet (`tools`, `tool_choice` other than "none", `response_format`
+other than text, `logprobs`, `n` > 1, penalties, `logit_bias`, ...: `UNSUPPORTED`) is refused
+by name (400) unless it holds its neutral value.
 A completions `prompt` is text, or a list of token ids.
 
 The response (or, streamed as server-sent events, the chunk that carries `finish_reason`) holds
@@ -32,19 +38,23 @@ router's `Status`).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 import re
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.schema import AUTO, MAX_GAMMA, MAX_SEED, Delta, SamplingParams, SpecStats, SpeculationParams
 
 from .router import Router, RouterError, Status
+
+log = logging.getLogger("specd.http")
 
 INT32 = 2 ** 31 - 1
 Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
@@ -60,25 +70,49 @@ STATUS = {
     Status.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
 INTERNAL = (500, "server_error", None)
+try:
+    VERSION = importlib.metadata.version("specd")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+    VERSION = "0+unknown"
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the request may run
 # the field a router message starts with (its path in the wire API: "sampling.max_tokens must be ...")
 _PARAM = re.compile(r"^(?:(?:sampling|speculation|token_ids)\.)?(\w+)")
 
 
+def _off(v) -> bool:
+    return v is None or v is False or v == 0 or v == [] or v == {} or v == ""
+
+
+# Fields that change the output in a way this server cannot honour yet: each is refused by name
+# unless it holds its neutral value (what the predicate accepts).
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _off, "functions": _off, "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "logprobs": lambda v: v is None or v is False,  # (completions' logprobs=0 asks for the chosen tokens')
+    "top_logprobs": _off, "prompt_logprobs": lambda v: v is None,
+    "n": lambda v: v in (None, 1), "best_of": lambda v: v in (None, 1),
+    "presence_penalty": _off, "frequency_penalty": _off, "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "logit_bias": _off, "min_tokens": _off, "echo": _off, "suffix": _off,
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "structured_outputs": _off,
+}
+
+
 class _Body(BaseModel):
     """What both endpoints accept. Ranges are the router's to check (the schema's messages name
-    them); only what the wire cannot carry is bounded here."""
-    model_config = ConfigDict(extra="forbid")
+    them); only what the wire cannot carry is bounded here. Other fields are kept as extras
+    (`unsupported`, `ignored`)."""
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: Literal[1] = 1
     stream: bool = False
-    stream_options: dict | None = None  # accepted; the finishing chunk always carries the usage
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage, no choices
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    user: str | None = None  # accepted, unused
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS
     # specd's controls
     top_k: Annotated[int, Field(ge=0, le=INT32)] | None = None
     num_beams: Annotated[int, Field(ge=0, le=2 ** 32 - 1)] | None = None
@@ -97,6 +131,19 @@ class _Body(BaseModel):
         """The input, as `Router.request` takes it."""
         raise NotImplementedError
 
+    def unsupported(self) -> str | None:
+        """The first extra field that would change the output in a way this server cannot honour."""
+        return next((k for k, v in (self.model_extra or {}).items() if k in UNSUPPORTED and not UNSUPPORTED[k](v)),
+                    None)
+
+    def ignored(self) -> list[str]:
+        """Extra fields accepted without effect (known-neutral or unknown)."""
+        return sorted(self.model_extra or {})
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
     def request_args(self) -> dict:
         """`Router.request`'s keywords: the body's fields as the schema's parameters, unset ones
         None (or the schema's neutral value) so that the router applies its defaults, as it does
@@ -107,7 +154,7 @@ class _Body(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed, stop=stop,
             num_beams=1 if self.num_beams is None else self.num_beams,
             length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
-            early_stopping=bool(self.early_stopping))
+            early_stopping=bool(self.early_stopping), ignore_eos=self.ignore_eos)
         speculation = SpeculationParams(
             draft=self.draft or None, gamma=AUTO if self.gamma == "auto" else self.gamma, tree=self.tree,
             threshold=self.threshold, entropy_gate=self.entropy_gate, acceptance=self.acceptance or "lossless")
@@ -123,16 +170,14 @@ class CompletionBody(_Body):
 
 
 class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    type: Literal["text"]  # (an image or audio part: a 400 naming it)
     text: str
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: accepted, unused
     role: str
     content: str | list[_TextPart]
-    name: str | None = None  # accepted, unused
 
     @property
     def text(self) -> str:
@@ -240,6 +285,12 @@ def build_http_app(router: Router) -> FastAPI:
         if body.model != model:
             return _error(Status.NOT_FOUND, f"model {body.model!r} does not exist; this server serves "
                                             f"{model!r} (GET /v1/models)")
+        bad = body.unsupported()
+        if bad is not None:
+            return _error(Status.INVALID_ARGUMENT, f"{bad} is not supported by this server (got "
+                                                   f"{body.model_extra[bad]!r}); leave it unset", param=bad)
+        if body.ignored():
+            log.warning("request fields ignored (not used by this server): %s", ", ".join(body.ignored()))
         if not await router.serving():
             return _error(Status.UNAVAILABLE, "not ready: no verifier replica is running yet; retry later")
         try:  # the first message, or the refusal: validation, admission
@@ -251,8 +302,8 @@ def build_http_app(router: Router) -> FastAPI:
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + first.request_id, "created": int(time.time()),
                 "model": model}
         if body.stream:
-            return StreamingResponse(_events(router, first, stream, head, chat, body.return_token_ids),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_events(router, first, stream, head, chat, body.return_token_ids,
+                                             body.include_usage), media_type="text/event-stream")
         deltas = [first]
         try:
             async for d, _ in stream:
@@ -268,6 +319,19 @@ def build_http_app(router: Router) -> FastAPI:
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 **_final_fields(last)}
 
+    @app.get("/health")
+    async def health():
+        """vLLM's readiness check: 200 once a verifier replica answers, 503 before."""
+        return Response(status_code=200 if await router.serving() else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
         return await serve_body(request, body, chat=False)
@@ -279,11 +343,15 @@ def build_http_app(router: Router) -> FastAPI:
     return app
 
 
-async def _events(router: Router, first: Delta, stream, head: dict, chat: bool, token_ids: bool):
-    """Server-sent events: one chunk per message of the generation, `data: [DONE]` last. A client
-    that disconnects closes this generator (Starlette stops iterating it), which closes the
-    router's stream: the generation is cancelled unless coalesced callers remain."""
+async def _events(router: Router, first: Delta, stream, head: dict, chat: bool, token_ids: bool,
+                  include_usage: bool):
+    """Server-sent events: one chunk per message of the generation, `data: [DONE]` last. With
+    `include_usage` (OpenAI's stream_options), every chunk carries "usage": null and one more
+    chunk, with no choices, carries the usage. A client that disconnects closes this generator
+    (Starlette stops iterating it), which closes the router's stream: the generation is
+    cancelled unless coalesced callers remain."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    last = None
 
     def chunk(d: Delta, role: bool) -> str:
         choice = {"index": 0, "logprobs": None, "finish_reason": d.finish_reason}
@@ -296,12 +364,18 @@ async def _events(router: Router, first: Delta, stream, head: dict, chat: bool, 
         if d.finished:
             choice["stop_reason"] = d.stop_string or None
         msg = {**head, "object": obj, "choices": [choice], **(_final_fields(d) if d.finished else {})}
+        if include_usage:  # the usage comes in a chunk of its own
+            msg["usage"] = None
         return f"data: {json.dumps(msg)}\n\n"
 
     try:
         yield chunk(first, role=True)
+        last = first
         async for d, _ in stream:
             yield chunk(d, role=False)
+            last = d
+        if include_usage and last.finished:
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], **_final_fields(last)})}\n\n"
     except Exception as e:  # the stream has started: the error is its last event
         err = router.failure(e)
         yield f"data: {json.dumps(error_body(err.status, err.message)[1])}\n\n"

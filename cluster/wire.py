@@ -23,7 +23,7 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
         top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
         num_beams=s.num_beams if s.HasField("num_beams") else 1,
         length_penalty=s.length_penalty if s.HasField("length_penalty") else 1.0,
-        early_stopping=s.early_stopping if s.HasField("early_stopping") else False)
+        early_stopping=s.early_stopping if s.HasField("early_stopping") else False, ignore_eos=s.ignore_eos)
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:

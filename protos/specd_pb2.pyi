@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_beams", "length_penalty", "early_stopping")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_beams", "length_penalty", "early_stopping", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class SamplingParams(_message.Message):
     NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -58,7 +59,8 @@ class SamplingParams(_message.Message):
     num_beams: int
     length_penalty: float
     early_stopping: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
     __slots__ = ("draft", "gamma", "gamma_auto", "tree", "threshold", "entropy_gate", "acceptance")

@@ -266,7 +266,8 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = None, num_beams: int | None = None,
                   length_penalty: float | None = None, early_stopping: bool | None = None,
-                  draft: str | None = None, gamma: int | str | None = None, tree: int | None = None,
+                  ignore_eos: bool = False, draft: str | None = None, gamma: int | str | None = None,
+                  tree: int | None = None,
                   threshold: float | None = None, entropy_gate: float | None = None,
                   acceptance: str | None = None, request_id: str | None = None,
                   token_ids: Sequence[int] | None = None) -> specd_pb2.GenerateRequest:
@@ -295,6 +296,7 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         req.messages.messages.extend(_chat_message(m) for m in messages)
     s = req.sampling
     s.top_k = top_k or 0
+    s.ignore_eos = bool(ignore_eos)
     if stop is not None:
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),

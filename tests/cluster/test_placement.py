@@ -202,7 +202,7 @@ def test_bearer_token_is_required_and_never_logged(nodes):
 
 
 # ---- the OpenAI-compatible HTTP API ------------------------------------------------------------
-def openai_client(token: str = TOKEN, prefix: str = "/specd") -> openai.OpenAI:
+def openai_client(token: str = TOKEN, prefix: str = "") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://{S.http_address()}{prefix}/v1", api_key=token, max_retries=0, timeout=120)
 
 

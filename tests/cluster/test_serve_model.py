@@ -102,7 +102,7 @@ def test_the_readmes_serve_your_model_requests_run(served, capsys):
     addr, base_url, _, _ = served
 
     def local(code: str) -> str:
-        return (code.replace("http://127.0.0.1:8000/specd/v1", base_url).replace("127.0.0.1:9000", addr)
+        return (code.replace("http://127.0.0.1:8000/v1", base_url).replace("127.0.0.1:9000", addr)
                 .replace('"my-model"', '"tiny-qwen3"'))
     blocks = readme_blocks("Serve your model")
     curl = next(c for c in blocks["bash"] if c.lstrip().startswith("curl"))

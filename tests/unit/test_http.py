@@ -4,21 +4,28 @@ verifier handle (no Serve controller: readiness is whether the verifier answers 
 
   * 503 with OpenAI's error shape while no verifier answers, then the completion once one does;
   * the response's `spec_decode_metrics` are vLLM's counters and rates of the request's stats;
-  * a 400 from the schema names the body field (`param`), not the wire API's path.
+  * a 400 from the schema names the body field (`param`), not the wire API's path;
+  * fields as clients send them: unknown ones accepted with one warning line, ones the server
+    cannot honour refused by name, vLLM's `ignore_eos` and OpenAI's `max_completion_tokens` and
+    `stream_options.include_usage` honoured; `/health`, `/ping` and `/version` at the root.
 (The cluster tests in tests/cluster/test_placement.py cover 401, 404, 429, streaming, chat and
 equality with the gRPC path.)
 """
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
 import uvicorn
 
 from actors.schema import Delta, SpecStats
-from cluster.http import build_http_app
+from cluster.http import ChatBody, build_http_app
 from cluster.router import Router
 from cluster.serve import free_port
 
@@ -38,6 +45,7 @@ class CannedVerifier:
     def __init__(self):
         self.ready = False
         self.timeouts: list[float | None] = []  # the time each request was given
+        self.requests = []  # what each request became
         self.generate = _Method(self._stream)
         self.check_health = _Method(self._health)
         self.stats = SpecStats()
@@ -53,6 +61,7 @@ class CannedVerifier:
 
     async def _stream(self, req, timeout_s=None):
         self.timeouts.append(timeout_s)
+        self.requests.append(req)
         yield Delta(req.request_id, [5], "")
         yield Delta(req.request_id, [6], "", finish_reason="length", prompt_tokens=len(req.prompt_ids),
                     completion_tokens=2, stats=self.stats)
@@ -118,3 +127,70 @@ def test_a_deadline_from_the_header_else_the_config_reaches_the_verifier(served)
         with pytest.raises(openai.BadRequestError) as e:
             oa.completions.create(model="tiny", prompt="1 2 3", extra_headers={"X-Request-Timeout": bad})
         assert "X-Request-Timeout must be a positive number of seconds" in e.value.body["message"]
+
+
+def _get(oa, path: str) -> tuple[int, bytes]:
+    root = str(oa.base_url).rstrip("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(root + path, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_health_ping_and_version_at_the_root(served):
+    """vLLM's probes, where load generators look for them: 200 once a verifier answers, 503 before."""
+    verifier, oa = served
+    verifier.ready = False
+    try:
+        assert _get(oa, "/health")[0] == 503 and _get(oa, "/ping")[0] == 503
+    finally:
+        verifier.ready = True
+    assert _get(oa, "/health")[0] == 200 and _get(oa, "/ping")[0] == 200
+    status, body = _get(oa, "/version")
+    assert status == 200 and json.loads(body)["version"]
+
+
+def test_unknown_fields_are_accepted_with_one_warning(served, caplog):
+    verifier, oa = served
+    verifier.ready = True
+    with caplog.at_level(logging.WARNING, logger="specd.http"):
+        r = oa.completions.create(model="tiny", prompt="1 2", user="u1", presence_penalty=0.0, logprobs=None,
+                                  extra_body={"some_new_field": {"x": 1}, "parallel_tool_calls": False,
+                                              "response_format": {"type": "text"}, "tool_choice": "none"})
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 2
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specd.http"]
+    assert len(lines) == 1 and all(f in lines[0] for f in ("some_new_field", "parallel_tool_calls", "user"))
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required"), ("response_format", {"type": "json_object"}),
+                                         ("logprobs", True), ("n", 2), ("frequency_penalty", 0.5),
+                                         ("logit_bias", {"5": 10})])
+def test_fields_the_server_cannot_honour_are_refused_by_name(served, field, value):
+    verifier, oa = served
+    verifier.ready = True
+    before = len(verifier.requests)
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1 2"}],
+                                   extra_body={field: value})
+    assert e.value.body["param"] == field and e.value.body["message"].startswith(f"{field} is not supported")
+    assert len(verifier.requests) == before  # refused before it reached a verifier
+    with pytest.raises(openai.BadRequestError) as e:  # completions too (logprobs=0 asks for logprobs there)
+        oa.completions.create(model="tiny", prompt="1 2", extra_body={field: 0 if field == "logprobs" else value})
+    assert e.value.body["param"] == field
+
+
+def test_vllm_and_newer_openai_fields_are_honoured(served):
+    verifier, oa = served
+    verifier.ready = True
+    oa.completions.create(model="tiny", prompt="1 2", max_tokens=7, stop=None, extra_body={"ignore_eos": True})
+    req = verifier.requests[-1]
+    assert req.sampling.ignore_eos is True and req.sampling.max_tokens == 7 and req.sampling.stop == ()
+    chat = ChatBody(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, max_completion_tokens=9)
+    assert chat.request_args()["sampling"].max_tokens == 9  # OpenAI's newer name wins
+    chunks = list(oa.completions.create(model="tiny", prompt="1 2", stream=True,
+                                        stream_options={"include_usage": True}))
+    assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert chunks[-2].choices[0].finish_reason == "length"

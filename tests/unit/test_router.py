@@ -232,6 +232,9 @@ def test_wire_conversion_keeps_presence(router):
     assert req.sampling.max_tokens == 8 and req.speculation.draft == "ngram" and req.speculation.gamma == 3
     req = asyncio.run(router.request(**request_from_proto(build_request(prompt="4 5 6", gamma=0, max_tokens=3))))
     assert req.sampling.max_tokens == 3 and req.draft is None and req.gamma == 0
+    assert req.sampling.ignore_eos is False
+    req = asyncio.run(router.request(**request_from_proto(build_request(prompt="4 5 6", ignore_eos=True))))
+    assert req.sampling.ignore_eos is True  # vLLM's ignore_eos crosses the wire
 
 
 def test_health_is_not_serving_until_a_verifier_answers(router):
