@@ -34,6 +34,8 @@ from actors.drafters.base import Drafter, DraftSeq, Proposal
 from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
 from actors.sequence import common_prefix
 
+from .stats import leviathan_alpha
+
 # --------------------------------------------------------------------------------- observers
 
 
@@ -141,16 +143,6 @@ def leviathan(alpha: float, gamma: int, c: float) -> float:
     return tokens / (gamma * c + 1)
 
 
-def fit_alpha(tokens_per_pass: float, gamma: int) -> float:
-    """The i.i.d. α whose Leviathan tokens-per-pass at γ equals the measured one (bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        e = gamma + 1 if mid >= 1 else (1 - mid ** (gamma + 1)) / (1 - mid)
-        lo, hi = (mid, hi) if e < tokens_per_pass else (lo, mid)
-    return (lo + hi) / 2
-
-
 class Lab:
     def __init__(self, model: str, drafts: list[str], prompts: list[list[int]], max_tokens: int, dtype: str,
                  quick: bool, progress: bool = True):
@@ -196,7 +188,7 @@ class Lab:
         for d in self.drafts:
             rows = {g: (base if g == 0 else self.run(d, g)) for g in gammas}
             g_fit = max(g for g in gammas if g)
-            alpha = fit_alpha(rows[g_fit]["tokens_per_pass"], g_fit)
+            alpha = leviathan_alpha(rows[g_fit]["tokens_per_pass"], g_fit)
             ctx = self.prompts[0] + rows[g_fit]["outputs"][0][:8]
             with torch.inference_mode():
                 step = draft_step_seconds(self.eng.drafters[d], ctx[:max(2, len(ctx))], self.eng.target, reps=5)

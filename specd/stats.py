@@ -2,6 +2,7 @@
 
 percentile: linear interpolation between the closest ranks (numpy's default, "linear"), q in
 [0, 100]; the median is its 50th. slope: the least-squares slope of (x, y) points.
+leviathan_alpha: the i.i.d. acceptance rate that explains a measured tokens-per-pass.
 An empty sample has no statistic (None), and a line needs three points with distinct x.
 """
 from __future__ import annotations
@@ -29,3 +30,14 @@ def slope(points: Sequence[tuple[float, float]]) -> float | None:
     if np.ptp(x) == 0:
         return None
     return float(np.polyfit(x, y, 1)[0])
+
+
+def leviathan_alpha(tokens_per_pass: float, gamma: int) -> float:
+    """The i.i.d. per-token acceptance α whose expected tokens per pass at γ, (1-α^(γ+1))/(1-α)
+    (Leviathan et al.), equals the measured one (solved by bisection, to 1e-15)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        e = gamma + 1 if mid >= 1 else (1 - mid ** (gamma + 1)) / (1 - mid)
+        lo, hi = (mid, hi) if e < tokens_per_pass else (lo, mid)
+    return (lo + hi) / 2

@@ -48,6 +48,7 @@ from actors.llama import LlamaRunner
 from actors.models import LoadedModel, cache_dir, vocab_fingerprint
 from actors.schema import Request, SamplingParams
 from actors.text import encode_prompt
+from specd.stats import leviathan_alpha
 
 OBJECTIVES = ("fkl", "rkl", "tv", "ntp")
 KINDS = ("eagle3", "eagle", "truncated:K", "small")
@@ -363,17 +364,6 @@ def _acceptance(runs: list[int], max_gamma: int) -> dict:
     g4 = min(4, max_gamma)
     return {"positions": len(runs), "alpha_per_position": per_pos, "alpha": leviathan_alpha(mal[g4], g4),
             "accepted_at_gamma4": (mal[g4] - 1) / g4, "mean_accepted_length": mal}
-
-
-def leviathan_alpha(tokens_per_pass: float, gamma: int) -> float:
-    """The i.i.d. per-token acceptance α whose expected tokens per pass (1-α^(γ+1))/(1-α) equals
-    the measured one (solved by bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        e = gamma + 1 if mid >= 1 else (1 - mid ** (gamma + 1)) / (1 - mid)
-        lo, hi = (mid, hi) if e < tokens_per_pass else (lo, mid)
-    return (lo + hi) / 2
 
 
 def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:

@@ -3,7 +3,8 @@ report names the command that reproduces it, and the figures and the JSON are wr
 import json
 
 from specd.cli import main
-from specd.lab import CLAIMS, fit_alpha, leviathan
+from specd.lab import CLAIMS, leviathan
+from specd.stats import leviathan_alpha
 
 
 def test_lab_quick_writes_every_claim(tmp_path, capsys):
@@ -24,4 +25,4 @@ def test_leviathan_formula_and_its_inverse():
     assert abs(leviathan(0.5, 4, 0.1) - (1 - 0.5 ** 5) / 0.5 / 1.4) < 1e-12
     for a in (0.1, 0.4, 0.8):
         tokens = (1 - a ** 5) / (1 - a)
-        assert abs(fit_alpha(tokens, 4) - a) < 1e-6
+        assert abs(leviathan_alpha(tokens, 4) - a) < 1e-6
