@@ -28,6 +28,7 @@ import torch
 
 from .llama import TreeMask
 from .sampling import coupled_scores, gumbel_noise, process_logits, sample, verify_greedy, verify_sampled
+from .schema import TokenLogprob
 from .sequence import Mode, Sequence
 
 
@@ -138,6 +139,21 @@ def first_tokens(logits: torch.Tensor, seqs: list[Sequence], noise_gen: torch.Ge
     if rows:
         toks[rows] = sample(process(logits[rows], [seqs[b] for b in rows]), [seqs[b].gen for b in rows])
     return to_host(toks)
+
+
+def token_logprobs(logits: torch.Tensor, s: Sequence, tokens: list[int]) -> list[TokenLogprob]:
+    """logits [n, V] at the positions that produced `tokens` (n) -> each token's log-probability
+    and the request's k likeliest there, under the distribution it was chosen from: the target's
+    after temperature, top-k and top-p (greedy: the raw distribution). Exact under speculation:
+    these are the verify pass's own logits, whatever the draft proposed. (A second, small
+    transfer, for the rows that asked.) A filtered-out token's -inf reads as -9999.0, as vLLM's."""
+    p = s.req.sampling
+    lp = (torch.log_softmax(logits.float(), -1) if p.greedy else
+          torch.log(process(logits[None], [s])[0]))  # [n, V]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0]  # [n]
+    top_v, top_i = lp.topk(p.logprobs, -1) if p.logprobs else (lp[:, :0], lp[:, :0].long())  # [n, k]
+    chosen, top_v, top_i = chosen.clamp_min(-9999.0).tolist(), top_v.clamp_min(-9999.0).tolist(), top_i.tolist()
+    return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen, top_i, top_v)]
 
 
 def to_host(t: torch.Tensor) -> list:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from .acceptance import Verdict, VerifyBatch, accept, depths, entropy, first_tokens
+from .acceptance import Verdict, VerifyBatch, accept, depths, entropy, first_tokens, token_logprobs
 from .beam import BeamGroup, BeamSearch
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
@@ -273,8 +273,8 @@ class SpecEngine:
             plain = [b for b, s in enumerate(done) if s.beam is None]
             if plain:
                 seqs = [done[b] for b in plain]
-                for s, tok in zip(seqs, first_tokens(logits[plain], seqs, self._noise_gen)):
-                    self._commit(s, [tok])
+                for b, s, tok in zip(plain, seqs, first_tokens(logits[plain], seqs, self._noise_gen)):
+                    self._commit(s, [tok], self._logprobs(s, logits[b, None], [tok]))
             for b, s in enumerate(done):
                 if s.beam is not None:
                     s.beam.start(self.cache, self.feature_store, logits[b])
@@ -403,7 +403,7 @@ class SpecEngine:
                 self.selector.observe(s.key, s.draft, len(v.path))
             s.stats.draft_s += r.draft_s
             s.stats.verify_s += t2 - t1
-            self._commit(s, v.tokens)
+            self._commit(s, v.tokens, self._logprobs(s, logits[b, [0] + v.path], v.tokens))
         for idx in groups.values():
             g = rows[idx[0]].seq.beam
             order = {id(rows[b].seq): b for b in idx}
@@ -466,7 +466,12 @@ class SpecEngine:
                                     prompt_tokens=lead.num_prompt, completion_tokens=len(tokens), stats=lead.stats)
         self._finish(lead, reason)
 
-    def _commit(self, s: Sequence, new: list[int]) -> None:
+    @staticmethod
+    def _logprobs(s: Sequence, logits: torch.Tensor, tokens: list[int]):
+        """The tokens' log-probabilities when the request asked (logits [len(tokens), V])."""
+        return token_logprobs(logits, s, tokens) if s.req.sampling.logprobs is not None else None
+
+    def _commit(self, s: Sequence, new: list[int], logprobs: list | None = None) -> None:
         p = s.req.sampling
         emitted: list[int] = []
         reason = None
@@ -492,6 +497,8 @@ class SpecEngine:
             self._out[s.key] = d = Delta(s.req.request_id, [], "")
         d.token_ids += emitted
         d.text += text
+        if logprobs is not None:
+            d.logprobs = (d.logprobs or []) + logprobs[:len(emitted)]
         if reason is not None:
             self._finish(s, reason)
             d.finish_reason = reason

@@ -43,6 +43,7 @@ MAX_TOPK_ACCEPT = 1000
 MAX_BEAMS = 16
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20  # the most alternatives a request may ask log-probabilities of, per token
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -61,6 +62,10 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # Log-probabilities of each generated token under the target's distribution (after temperature,
+    # top-k and top-p; temperature 0: the raw distribution), and of the k likeliest tokens there.
+    # None = off; 0 = the chosen tokens' only.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -196,6 +201,8 @@ _RULES = {  # field (its wire path) -> its rule; the message says what the rule 
     "sampling.length_penalty": (_rule(Annotated[_NUMBER, Field(ge=-10, le=10)]),
                                 "sampling.length_penalty must be a number in [-10, 10], got {v!r}"),
     "sampling.early_stopping": (_rule(bool), "sampling.early_stopping must be true or false, got {v!r}"),
+    "sampling.logprobs": (_rule(Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None),
+                          f"sampling.logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {{v!r}}"),
     "speculation.gamma": (_rule(Literal["auto"] | Annotated[int, Field(ge=0, le=MAX_GAMMA)]),
                           f"speculation.gamma must be in [0, {MAX_GAMMA}] or {AUTO!r}, got {{v!r}}"),
     "speculation.tree": (_rule(Annotated[int, Field(ge=0, le=MAX_TREE)] | None),
@@ -263,8 +270,11 @@ def validate(req: Request, limits: Limits) -> Request:
             raise ValueError("sampling.num_beams > 1 is beam search: sampling.temperature must be 0")
         if stop:
             raise ValueError("sampling.stop is not supported with sampling.num_beams > 1")
+        if s.logprobs is not None:
+            raise ValueError("sampling.logprobs is not supported with sampling.num_beams > 1")
     _check("sampling.length_penalty", s.length_penalty)
     _check("sampling.early_stopping", s.early_stopping)
+    _check("sampling.logprobs", s.logprobs)
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft
     draft = limits.aliases.get(draft, draft)  # a spec the server serves under a name of its own
@@ -378,10 +388,19 @@ class Delta:
     completion_tokens: int = 0  # last delta only
     stats: SpecStats | None = None  # last delta only
     stop_string: str = ""  # last delta only: the stop string that ended the request ("" otherwise)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the target, and the k likeliest there."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, log-probability), likeliest first
 
 
 @dataclass
@@ -394,10 +413,12 @@ class Completion:
     prompt_tokens: int
     stats: SpecStats
     stop_string: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def join(cls, deltas: list[Delta]) -> "Completion":
         last = deltas[-1]
         assert last.finished, "the last delta must finish the request"
+        lps = None if all(d.logprobs is None for d in deltas) else [x for d in deltas for x in d.logprobs or ()]
         return cls(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                   last.finish_reason, last.prompt_tokens, last.stats or SpecStats(), last.stop_string)
+                   last.finish_reason, last.prompt_tokens, last.stats or SpecStats(), last.stop_string, lps)

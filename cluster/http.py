@@ -12,13 +12,15 @@ header (seconds), else `router.request_timeout_s`. A client that disconnects mid
 stream: the router cancels the generation (unless coalesced callers remain), which frees its KV.
 
 Beside OpenAI's fields (`max_tokens`, chat's `max_completion_tokens`, `temperature`, `top_p`,
-`stop`, `seed`, `stream`, `stream_options.include_usage`) a body may carry vLLM's `ignore_eos`
+`stop`, `seed`, `stream`, `stream_options.include_usage`, `logprobs` with chat's `top_logprobs`:
+the target's log-probabilities after temperature and top-k/top-p, exact under speculation; `n` up
+to MAX_N choices, independent generations, seeded seed, seed + 1, ...: reproducible) a body may carry vLLM's `ignore_eos`
 and `return_token_ids`, and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
 `threshold`, `entropy_gate`, `acceptance`, `top_k`, `num_beams`, `length_penalty`,
 `early_stopping`, `request_id` (for Abort). As vLLM does, a field the server does not know is
 accepted and named in one warning log line per request. A field that would change the output in
 a way this server cannot honour yet (`tools`, `tool_choice` other than "none", `response_format`
-other than text, `logprobs`, `n` > 1, penalties, `logit_bias`, ...: `UNSUPPORTED`) is refused
+other than text, penalties, `logit_bias`, ...: `UNSUPPORTED`) is refused
 by name (400) unless it holds its neutral value.
 A completions `prompt` is text, or a list of token ids.
 
@@ -75,6 +77,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
     VERSION = "0+unknown"
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the request may run
+MAX_N = 16  # choices per request
 # the field a router message starts with (its path in the wire API: "sampling.max_tokens must be ...")
 _PARAM = re.compile(r"^(?:(?:sampling|speculation|token_ids)\.)?(\w+)")
 
@@ -89,9 +92,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tools": _off, "functions": _off, "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "logprobs": lambda v: v is None or v is False,  # (completions' logprobs=0 asks for the chosen tokens')
-    "top_logprobs": _off, "prompt_logprobs": lambda v: v is None,
-    "n": lambda v: v in (None, 1), "best_of": lambda v: v in (None, 1),
+    "prompt_logprobs": lambda v: v is None,
+    "best_of": lambda v: v in (None, 1),
     "presence_penalty": _off, "frequency_penalty": _off, "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "logit_bias": _off, "min_tokens": _off, "echo": _off, "suffix": _off,
     "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
@@ -112,6 +114,7 @@ class _Body(BaseModel):
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage, no choices
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    n: Int32 | None = None  # choices: independent generations (seeded: seed, seed + 1, ...)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS
     # specd's controls
     top_k: Annotated[int, Field(ge=0, le=INT32)] | None = None
@@ -131,6 +134,10 @@ class _Body(BaseModel):
         """The input, as `Router.request` takes it."""
         raise NotImplementedError
 
+    def logprobs_k(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the alternatives per token."""
+        raise NotImplementedError
+
     def unsupported(self) -> str | None:
         """The first extra field that would change the output in a way this server cannot honour."""
         return next((k for k, v in (self.model_extra or {}).items() if k in UNSUPPORTED and not UNSUPPORTED[k](v)),
@@ -144,26 +151,33 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def request_args(self) -> dict:
-        """`Router.request`'s keywords: the body's fields as the schema's parameters, unset ones
-        None (or the schema's neutral value) so that the router applies its defaults, as it does
-        for a GenerateRequest without them (`cluster.wire`)."""
+    def request_args(self, choice: int = 0) -> dict:
+        """`Router.request`'s keywords for choice `choice` (of `n`): the body's fields as the
+        schema's parameters, unset ones None (or the schema's neutral value) so that the router
+        applies its defaults, as it does for a GenerateRequest without them (`cluster.wire`).
+        Choice i of a seeded request samples with seed + i: the choices are independent samples,
+        and the same request reproduces them."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
+        rid = f"{self.request_id}/{choice}" if self.request_id and (self.n or 1) > 1 else self.request_id or ""
         sampling = SamplingParams(
             max_tokens=self.max_tokens, temperature=0.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed, stop=stop,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=seed, stop=stop,
             num_beams=1 if self.num_beams is None else self.num_beams,
             length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
-            early_stopping=bool(self.early_stopping), ignore_eos=self.ignore_eos)
+            early_stopping=bool(self.early_stopping), ignore_eos=self.ignore_eos, logprobs=self.logprobs_k())
         speculation = SpeculationParams(
             draft=self.draft or None, gamma=AUTO if self.gamma == "auto" else self.gamma, tree=self.tree,
             threshold=self.threshold, entropy_gate=self.entropy_gate, acceptance=self.acceptance or "lossless")
-        return {"request_id": self.request_id or "", "sampling": sampling, "speculation": speculation,
-                **self.source()}
+        return {"request_id": rid, "sampling": sampling, "speculation": speculation, **self.source()}
 
 
 class CompletionBody(_Body):
     prompt: str | list[TokenId]
+    logprobs: Int32 | None = None  # the chosen tokens' log-probabilities and the k likeliest's
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def source(self) -> dict:
         return {"prompt": self.prompt} if isinstance(self.prompt, str) else {"token_ids": self.prompt}
@@ -187,18 +201,25 @@ class _Message(BaseModel):
 class ChatBody(_Body):
     messages: list[_Message]
     max_completion_tokens: Int32 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool | None = None
+    top_logprobs: Int32 | None = None  # with logprobs: the k likeliest tokens' too
 
     @model_validator(mode="after")
     def _max_completion_tokens(self):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def source(self) -> dict:
         return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
 
 
-_BODY_FIELDS = {*_Body.model_fields, "prompt", "messages"}
+_BODY_FIELDS = {*CompletionBody.model_fields, *ChatBody.model_fields}
 
 
 def error_body(code: Status | None, message: str, param: str | None = None) -> tuple[int, dict]:
@@ -246,10 +267,16 @@ def spec_decode_metrics(st: SpecStats | None) -> dict:
             "acceptance_rate_per_pos": st.per_position()}
 
 
-def _final_fields(last: Delta) -> dict:
-    return {"usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                      "total_tokens": last.prompt_tokens + last.completion_tokens},
-            "spec_decode_metrics": spec_decode_metrics(last.stats)}
+def _final_fields(lasts: list[Delta]) -> dict:
+    """The usage and speculation metrics of a response's choices (their last deltas): the prompt
+    once, the completions and the speculation counters summed."""
+    stats = SpecStats()
+    for d in lasts:
+        if d.stats is not None:
+            stats.add(d.stats)
+    prompt, completion = lasts[0].prompt_tokens, sum(d.completion_tokens for d in lasts)
+    return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "spec_decode_metrics": spec_decode_metrics(stats)}
 
 
 def build_http_app(router: Router) -> FastAPI:
@@ -291,33 +318,49 @@ def build_http_app(router: Router) -> FastAPI:
                                                    f"{body.model_extra[bad]!r}); leave it unset", param=bad)
         if body.ignored():
             log.warning("request fields ignored (not used by this server): %s", ", ".join(body.ignored()))
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_N:
+            return _error(Status.INVALID_ARGUMENT, f"n must be in [1, {MAX_N}], got {n}", param="n")
+        if n > 1 and (body.num_beams or 1) > 1:
+            return _error(Status.INVALID_ARGUMENT, "n > 1 is not supported with num_beams > 1", param="n")
         if not await router.serving():
             return _error(Status.UNAVAILABLE, "not ready: no verifier replica is running yet; retry later")
-        try:  # the first message, or the refusal: validation, admission
-            req = await router.request(**body.request_args())
-            stream = router.generate(req, timeout_s)
-            first, _ = await anext(stream)
+        # Every choice is its own generation, all running at once (each in its router task, its chunks
+        # buffered there): they are answered one after the other. (Greedy choices coalesce into one.)
+        streams, firsts = [], []
+        try:  # each first message, or the refusal: validation, admission
+            for i in range(n):
+                streams.append(router.generate(await router.request(**body.request_args(i)), timeout_s))
+                firsts.append((await anext(streams[-1]))[0])
         except Exception as e:
+            for st in streams:
+                await st.aclose()
             return _refusal(router.failure(e))
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + first.request_id, "created": int(time.time()),
-                "model": model}
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + firsts[0].request_id.split("/")[0],
+                "created": int(time.time()), "model": model}
         if body.stream:
-            return StreamingResponse(_events(router, first, stream, head, chat, body.return_token_ids,
+            return StreamingResponse(_events(router, firsts, streams, head, chat, body.return_token_ids,
                                              body.include_usage), media_type="text/event-stream")
-        deltas = [first]
+        answers = []
         try:
-            async for d, _ in stream:
-                deltas.append(d)
+            for first, st in zip(firsts, streams):
+                answers.append([first] + [d async for d, _ in st])
         except Exception as e:
             return _refusal(router.failure(e))
-        last, text = deltas[-1], "".join(d.text for d in deltas)
-        choice = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason,
-                  "stop_reason": last.stop_string or None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        if body.return_token_ids:
-            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
-        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                **_final_fields(last)}
+        finally:
+            for st in streams:
+                await st.aclose()
+        choices = []
+        for i, deltas in enumerate(answers):
+            last, text = deltas[-1], "".join(d.text for d in deltas)
+            choice = {"index": i, "logprobs": _logprobs(router, deltas, chat), "finish_reason": last.finish_reason,
+                      "stop_reason": last.stop_string or None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            if body.return_token_ids:
+                choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+            choices.append(choice)
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                **_final_fields([a[-1] for a in answers])}
 
     @app.get("/health")
     async def health():
@@ -343,18 +386,18 @@ def build_http_app(router: Router) -> FastAPI:
     return app
 
 
-async def _events(router: Router, first: Delta, stream, head: dict, chat: bool, token_ids: bool,
+async def _events(router: Router, firsts: list[Delta], streams: list, head: dict, chat: bool, token_ids: bool,
                   include_usage: bool):
-    """Server-sent events: one chunk per message of the generation, `data: [DONE]` last. With
-    `include_usage` (OpenAI's stream_options), every chunk carries "usage": null and one more
-    chunk, with no choices, carries the usage. A client that disconnects closes this generator
-    (Starlette stops iterating it), which closes the router's stream: the generation is
-    cancelled unless coalesced callers remain."""
+    """Server-sent events: one chunk per message of each choice's generation (choice after choice;
+    they all run at once), `data: [DONE]` last. A choice's finishing chunk carries its usage and
+    speculation metrics; with `include_usage` (OpenAI's stream_options) every chunk carries "usage":
+    null instead and one more chunk, with no choices, carries the usage of them all. A client that
+    disconnects closes this generator (Starlette stops iterating it), which closes the router's
+    streams: each generation is cancelled unless coalesced callers remain."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    last = None
 
-    def chunk(d: Delta, role: bool) -> str:
-        choice = {"index": 0, "logprobs": None, "finish_reason": d.finish_reason}
+    def chunk(i: int, d: Delta, role: bool) -> str:
+        choice = {"index": i, "logprobs": _logprobs(router, [d], chat), "finish_reason": d.finish_reason}
         if chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if role else {"content": d.text}
         else:
@@ -363,22 +406,49 @@ async def _events(router: Router, first: Delta, stream, head: dict, chat: bool, 
             choice["token_ids"] = d.token_ids
         if d.finished:
             choice["stop_reason"] = d.stop_string or None
-        msg = {**head, "object": obj, "choices": [choice], **(_final_fields(d) if d.finished else {})}
+        msg = {**head, "object": obj, "choices": [choice], **(_final_fields([d]) if d.finished else {})}
         if include_usage:  # the usage comes in a chunk of its own
             msg["usage"] = None
         return f"data: {json.dumps(msg)}\n\n"
 
+    lasts = []
     try:
-        yield chunk(first, role=True)
-        last = first
-        async for d, _ in stream:
-            yield chunk(d, role=False)
-            last = d
-        if include_usage and last.finished:
-            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], **_final_fields(last)})}\n\n"
+        for i, (first, stream) in enumerate(zip(firsts, streams)):
+            yield chunk(i, first, role=True)
+            last = first
+            async for d, _ in stream:
+                yield chunk(i, d, role=False)
+                last = d
+            lasts.append(last)
+        if include_usage and all(d.finished for d in lasts):
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], **_final_fields(lasts)})}\n\n"
     except Exception as e:  # the stream has started: the error is its last event
         err = router.failure(e)
         yield f"data: {json.dumps(error_body(err.status, err.message)[1])}\n\n"
     finally:
-        await stream.aclose()  # a client that left: the router stops the generation if it was the last caller
+        for stream in streams:  # a client that left: the router stops each generation if it was the last caller
+            await stream.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _logprobs(router: Router, deltas: list[Delta], chat: bool) -> dict | None:
+    """OpenAI's `logprobs` of a choice for these deltas' tokens (None when not asked for): chat's
+    {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens, token_logprobs,
+    top_logprobs, text_offset}."""
+    if all(d.logprobs is None for d in deltas):
+        return None
+    items = [x for d in deltas for x in d.logprobs or ()]
+    text = router.token_text
+    if chat:
+        def entry(t: int, lp: float) -> dict:
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                            for x in items]}
+    tokens = [text(x.token) for x in items]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in items],
+            "top_logprobs": [{text(t): v for t, v in x.top} for x in items], "text_offset": offsets}

@@ -191,6 +191,13 @@ class Router:
         return json.dumps([req.prompt_ids, asdict(req.sampling), asdict(req.speculation)], sort_keys=True,
                           default=list)
 
+    def token_text(self, token: int) -> str:
+        """One token as text (for logprobs), as vLLM shows it: the tokenizer's decoding of that token
+        alone, or "token_id:N" for a model without a tokenizer."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token])
+
     # ---- streaming core --------------------------------------------------------------------------------
     async def generate(self, req: Request, timeout_s: float | None = None):
         """Admit, coalesce and stream a validated request (`request`; the caller authorized it):

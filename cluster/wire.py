@@ -23,7 +23,8 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
         top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
         num_beams=s.num_beams if s.HasField("num_beams") else 1,
         length_penalty=s.length_penalty if s.HasField("length_penalty") else 1.0,
-        early_stopping=s.early_stopping if s.HasField("early_stopping") else False, ignore_eos=s.ignore_eos)
+        early_stopping=s.early_stopping if s.HasField("early_stopping") else False, ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None)
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:
@@ -60,6 +61,9 @@ def stats_to_proto(st: SpecStats) -> specd_pb2.SpecStats:
 def delta_to_proto(d: Delta, request_id: str, coalesced: bool) -> specd_pb2.GenerateResponse:
     """One stream message (or, with every delta joined, the unary answer)."""
     r = specd_pb2.GenerateResponse(request_id=request_id, text=d.text, token_ids=d.token_ids, coalesced=coalesced)
+    for x in d.logprobs or ():
+        r.logprobs.add(token_id=x.token, logprob=x.logprob,
+                       top=[specd_pb2.TopLogprob(token_id=t, logprob=v) for t, v in x.top])
     if d.finished:
         r.finish_reason = FINISH[d.finish_reason]
         r.stop_string = d.stop_string

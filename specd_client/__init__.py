@@ -25,6 +25,7 @@ from .client import (
                      Result,
                      SpecdClient,
                      Stats,
+                     TokenLogprob,
                      Usage,
                      build_request,
 )
@@ -44,7 +45,7 @@ from .errors import (
 
 __all__ = [
     "SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats", "ReplicaLoad", "ModelsInfo",
-    "DraftInfo", "HEALTH_SERVICE", "MAX_RETRIES", "build_request",
+    "DraftInfo", "TokenLogprob", "HEALTH_SERVICE", "MAX_RETRIES", "build_request",
     "SpecdError", "InvalidArgument", "NotFound", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "Cancelled", "FailedPrecondition", "Unimplemented", "Internal", "Unauthenticated",
 ]

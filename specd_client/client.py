@@ -53,7 +53,7 @@ from protos import specd_pb2, specd_pb2_grpc
 from . import errors
 from .errors import SpecdError
 
-__all__ = ["SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "Usage", "Stats", "ReplicaStats",
+__all__ = ["SpecdClient", "AsyncSpecdClient", "Result", "Chunk", "TokenLogprob", "Usage", "Stats", "ReplicaStats",
            "ModelsInfo", "DraftInfo", "HEALTH_SERVICE", "MAX_RETRIES", "service_config"]
 
 #: Service name the server registers with grpc.health.v1 (the empty name "" = whole server).
@@ -104,6 +104,15 @@ class Result:
     spec_stats: dict[str, Any] | None
     coalesced: bool = False
     stop_string: str = ""  # the stop string that ended the generation ("" otherwise)
+    # With logprobs=k: per token, (token id, log-probability, [(token id, log-probability)] of the k likeliest).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +126,7 @@ class Chunk:
     spec_stats: dict[str, Any] | None = None
     coalesced: bool = False
     stop_string: str = ""  # last chunk: the stop string that ended the generation ("" otherwise)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, with logprobs=k
 
     @property
     def final(self) -> bool:
@@ -211,7 +221,11 @@ def _result(r: specd_pb2.GenerateResponse) -> Result:
     return Result(request_id=r.request_id, text=r.text, token_ids=list(r.token_ids),
                   finish_reason=_FINISH.get(r.finish_reason), usage=_usage(r.usage),
                   spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
-                  coalesced=r.coalesced, stop_string=r.stop_string)
+                  coalesced=r.coalesced, stop_string=r.stop_string, logprobs=_logprobs(r))
+
+
+def _logprobs(r: specd_pb2.GenerateResponse) -> list[TokenLogprob]:
+    return [TokenLogprob(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top]) for x in r.logprobs]
 
 
 def _chunk(r: specd_pb2.GenerateResponse) -> Chunk:
@@ -219,7 +233,7 @@ def _chunk(r: specd_pb2.GenerateResponse) -> Chunk:
                  finish_reason=_FINISH.get(r.finish_reason),
                  usage=_usage(r.usage) if r.HasField("usage") else None,
                  spec_stats=_spec_stats(r.spec_stats) if r.HasField("spec_stats") else None,
-                 coalesced=r.coalesced, stop_string=r.stop_string)
+                 coalesced=r.coalesced, stop_string=r.stop_string, logprobs=_logprobs(r))
 
 
 def _load(r: specd_pb2.LoadResponse) -> list[ReplicaLoad]:
@@ -266,7 +280,8 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = None, num_beams: int | None = None,
                   length_penalty: float | None = None, early_stopping: bool | None = None,
-                  ignore_eos: bool = False, draft: str | None = None, gamma: int | str | None = None,
+                  ignore_eos: bool = False, logprobs: int | None = None, draft: str | None = None,
+                  gamma: int | str | None = None,
                   tree: int | None = None,
                   threshold: float | None = None, entropy_gate: float | None = None,
                   acceptance: str | None = None, request_id: str | None = None,
@@ -301,7 +316,7 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),
                         ("num_beams", num_beams), ("length_penalty", length_penalty),
-                        ("early_stopping", early_stopping)):
+                        ("early_stopping", early_stopping), ("logprobs", logprobs)):
         if value is not None:  # an optional field: set = sent, None = the server's default
             setattr(s, name, value)
     sp = req.speculation

@@ -729,3 +729,4 @@ def test_coupled_distribution_planted_bug_is_detected(small_models, exact_law, m
     toks, _ = sample_first_tokens(target, draft, "ngram", 3, seed0=10_000)
     p = law_pvalues(toks, exact_law)
     assert min(p.values()) < 1e-9, p
+

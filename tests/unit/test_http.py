@@ -24,7 +24,7 @@ import openai
 import pytest
 import uvicorn
 
-from actors.schema import Delta, SpecStats
+from actors.schema import Delta, SpecStats, TokenLogprob
 from cluster.http import ChatBody, build_http_app
 from cluster.router import Router
 from cluster.serve import free_port
@@ -62,9 +62,11 @@ class CannedVerifier:
     async def _stream(self, req, timeout_s=None):
         self.timeouts.append(timeout_s)
         self.requests.append(req)
-        yield Delta(req.request_id, [5], "")
+        k = req.sampling.logprobs
+        lps = (lambda t, v: None if k is None else [TokenLogprob(t, v, [(t, v), (9, v - 1)][:k])])
+        yield Delta(req.request_id, [5], "", logprobs=lps(5, -0.5))
         yield Delta(req.request_id, [6], "", finish_reason="length", prompt_tokens=len(req.prompt_ids),
-                    completion_tokens=2, stats=self.stats)
+                    completion_tokens=2, stats=self.stats, logprobs=lps(6, -0.25))
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +113,8 @@ def test_schema_errors_name_the_body_field(served):
         oa.completions.create(model="tiny", prompt=[], max_tokens=2)
     assert e.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as e:
-        oa.completions.create(model="tiny", prompt="1 2", n=2)
-    assert e.value.body["param"] == "n"
+        oa.completions.create(model="tiny", prompt="1 2", n=17)
+    assert e.value.body["param"] == "n" and "[1, 16]" in e.value.body["message"]
 
 
 def test_a_deadline_from_the_header_else_the_config_reaches_the_verifier(served):
@@ -155,7 +157,7 @@ def test_unknown_fields_are_accepted_with_one_warning(served, caplog):
     verifier, oa = served
     verifier.ready = True
     with caplog.at_level(logging.WARNING, logger="specd.http"):
-        r = oa.completions.create(model="tiny", prompt="1 2", user="u1", presence_penalty=0.0, logprobs=None,
+        r = oa.completions.create(model="tiny", prompt="1 2", user="u1", presence_penalty=0.0,
                                   extra_body={"some_new_field": {"x": 1}, "parallel_tool_calls": False,
                                               "response_format": {"type": "text"}, "tool_choice": "none"})
     assert r.choices[0].text == "" and r.usage.completion_tokens == 2
@@ -165,7 +167,7 @@ def test_unknown_fields_are_accepted_with_one_warning(served, caplog):
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
                                          ("tool_choice", "required"), ("response_format", {"type": "json_object"}),
-                                         ("logprobs", True), ("n", 2), ("frequency_penalty", 0.5),
+                                         ("presence_penalty", 1.0), ("best_of", 2), ("frequency_penalty", 0.5),
                                          ("logit_bias", {"5": 10})])
 def test_fields_the_server_cannot_honour_are_refused_by_name(served, field, value):
     verifier, oa = served
@@ -176,8 +178,8 @@ def test_fields_the_server_cannot_honour_are_refused_by_name(served, field, valu
                                    extra_body={field: value})
     assert e.value.body["param"] == field and e.value.body["message"].startswith(f"{field} is not supported")
     assert len(verifier.requests) == before  # refused before it reached a verifier
-    with pytest.raises(openai.BadRequestError) as e:  # completions too (logprobs=0 asks for logprobs there)
-        oa.completions.create(model="tiny", prompt="1 2", extra_body={field: 0 if field == "logprobs" else value})
+    with pytest.raises(openai.BadRequestError) as e:  # completions too
+        oa.completions.create(model="tiny", prompt="1 2", extra_body={field: value})
     assert e.value.body["param"] == field
 
 
@@ -194,3 +196,55 @@ def test_vllm_and_newer_openai_fields_are_honoured(served):
     assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
     assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_logprobs_in_openais_shapes(served):
+    """The verifier's per-token log-probabilities reach the client: completions' tokens /
+    token_logprobs / top_logprobs / text_offset, chat's content entries (streamed too); the
+    request asks the schema for k alternatives. (Their exactness: tests/unit/test_logprobs.py.)"""
+    verifier, oa = served
+    verifier.ready = True
+    r = oa.completions.create(model="tiny", prompt="1 2", logprobs=2)
+    assert verifier.requests[-1].sampling.logprobs == 2
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["token_id:5", "token_id:6"] and lp.token_logprobs == [-0.5, -0.25]
+    assert lp.top_logprobs == [{"token_id:5": -0.5, "token_id:9": -1.5}, {"token_id:6": -0.25, "token_id:9": -1.25}]
+    assert lp.text_offset == [0, 10]
+    r = oa.completions.create(model="tiny", prompt="1 2")
+    assert r.choices[0].logprobs is None and verifier.requests[-1].sampling.logprobs is None
+    chunks = list(oa.completions.create(model="tiny", prompt="1 2", logprobs=0, stream=True))
+    assert [c.choices[0].logprobs.token_logprobs for c in chunks] == [[-0.5], [-0.25]]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="1 2", logprobs=21)
+    assert e.value.body["param"] == "logprobs" and "sampling.logprobs must be in [0, 20]" in e.value.body["message"]
+
+
+def test_chat_logprobs_shape():
+    """Chat's shape, built from deltas (the tiny model has no chat template to serve chat with)."""
+    from cluster.http import _logprobs
+
+    class R:
+        token_text = staticmethod(lambda t: f"t{t}")
+    d = [Delta("r", [5], "", logprobs=[TokenLogprob(5, -0.5, [(5, -0.5)])])]
+    assert _logprobs(R, d, chat=True) == {"content": [
+        {"token": "t5", "logprob": -0.5, "bytes": [116, 53],
+         "top_logprobs": [{"token": "t5", "logprob": -0.5, "bytes": [116, 53]}]}]}
+    assert _logprobs(R, [Delta("r", [5], "")], chat=True) is None
+    body = ChatBody(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3)
+    assert body.request_args()["sampling"].logprobs == 3
+    assert ChatBody(model="m", messages=[{"role": "user", "content": "hi"}]).request_args()["sampling"].logprobs is None
+
+
+def test_n_choices_are_independent_generations_seeded_in_turn(served):
+    """n = 3: three generations (seed, seed + 1, seed + 2: reproducible samples), three choices in
+    order, the usage summed over them; streamed, each choice's chunks carry its index."""
+    verifier, oa = served
+    verifier.ready = True
+    before = len(verifier.requests)
+    r = oa.completions.create(model="tiny", prompt="1 2", n=3, temperature=1.0, seed=41, extra_body={"request_id": "q"})
+    reqs = verifier.requests[before:]
+    assert [q.sampling.seed for q in reqs] == [41, 42, 43] and [q.request_id for q in reqs] == ["q/0", "q/1", "q/2"]
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 2
+    chunks = list(oa.completions.create(model="tiny", prompt="1 2", n=2, stream=True, temperature=1.0))
+    assert [c.choices[0].index for c in chunks] == [0, 0, 1, 1]
+    assert [q.sampling.seed for q in verifier.requests[-2:]] == [None, None]  # unseeded: each draws its own

@@ -357,3 +357,18 @@ def test_a_request_may_name_a_draft_by_the_spec_it_serves():
         assert validate(replace(req, speculation=SpeculationParams(draft=draft)), limits).speculation.draft == "eagle"
     with pytest.raises(ValueError, match=r"unknown; available: .* \(or the specs they serve: \['default'\]\)"):
         validate(replace(req, speculation=SpeculationParams(draft="nope")), limits)
+
+
+def test_logprobs_cross_the_wire_to_the_sdk():
+    """A delta's per-token log-probabilities reach the SDK's Chunk and Result (gRPC), and the
+    request's k crosses the other way."""
+    from actors.schema import Delta, TokenLogprob
+    from cluster.wire import delta_to_proto, sampling_from_proto
+    from specd_client.client import _chunk, _result
+
+    d = Delta("r", [5, 6], "", logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.5)]), TokenLogprob(6, -0.25)])
+    pb = delta_to_proto(d, "r", False)
+    for got in (_chunk(pb).logprobs, _result(pb).logprobs):
+        assert [(x.token_id, x.logprob, x.top) for x in got] == [(5, -0.5, [(5, -0.5), (9, -1.5)]), (6, -0.25, [])]
+    assert sampling_from_proto(build_request(prompt="1", logprobs=3).sampling).logprobs == 3
+    assert sampling_from_proto(build_request(prompt="1").sampling).logprobs is None
