@@ -199,7 +199,7 @@ def _sampled_chains(logits: torch.Tensor, batch: VerifyBatch, idx: list[int], n_
         for i, b in enumerate(idx):
             k = len(rows[b].drafts)
             if rows[b].probs is not None:
-                q[i, :k] = rows[b].probs.to(q.device)
+                q[i, :k] = rows[b].probs[:k].to(q.device)
             elif k:  # a deterministic drafter in a mixed batch: one-hot q
                 q[i, :k].scatter_(-1, draft_t[b, :k, None], 1.0)
     by_len: dict[int, list[int]] = {}

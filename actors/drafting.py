@@ -80,8 +80,10 @@ def gather(seqs: list[Sequence], flights: dict[int, Flight]) -> VerifyBatch:
         i = where.setdefault(id(f), {id(x): i for i, x in enumerate(f.seqs)})[id(s)]
         d = f.drafts[i]
         shadow = bool(f.shadow) and f.shadow[i]
-        rows.append(Row(s, [] if shadow else d, f.parents.get(i), f.probs.get(i), f.launch_s + f.wait_s,
-                        shadow=d if shadow and d else None))
+        if shadow:  # proposed only to be compared with what the target commits: nothing to verify
+            rows.append(Row(s, [], draft_s=f.launch_s + f.wait_s, shadow=d or None))
+        else:
+            rows.append(Row(s, d, f.parents.get(i), f.probs.get(i), f.launch_s + f.wait_s))
     at = {id(s): b for b, s in enumerate(seqs)}
     groups = []
     seen = set()

@@ -730,3 +730,17 @@ def test_coupled_distribution_planted_bug_is_detected(small_models, exact_law, m
     p = law_pvalues(toks, exact_law)
     assert min(p.values()) < 1e-9, p
 
+
+def test_shadow_drafts_of_a_stochastic_drafter_are_never_verified(tiny, monkeypatch):
+    """Regression (found by tests/cluster/test_fuzz.py): a sampled row whose auto drafter is off
+    still drafts in the shadow (the policy compares those drafts with what the target commits);
+    the drafter's q for them must not reach rejection sampling, which crashed the step on a
+    draft of length 0 with a [k, V] q. Every row shadows here; the output is the plain one."""
+    eng = make_engine(tiny)
+    monkeypatch.setattr(eng.policy, "choose", lambda rows, trees=(): [0] * len(rows))
+    monkeypatch.setattr(eng.policy, "wants_shadow", lambda d, free: True)
+    reqs = [request(f"r{i}", p, "truncated:2", "auto", max_tokens=12, temperature=0.8)
+            for i, p in enumerate(PROMPTS[:3])]
+    out = run(eng, reqs)
+    assert all(len(c.token_ids) == 12 for c in out.values())
+    assert sum(c.stats.draft_tokens for c in out.values()) == 0  # nothing was verified from a draft
