@@ -36,6 +36,7 @@ from .beam import BeamGroup, BeamSearch
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Features, Flight, feature_columns, feature_union, gather, launch
+from .grammar import Grammars
 from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
@@ -103,6 +104,7 @@ class SpecEngine:
                                        target.dtype, target.device) if self.features else None)
         self.micro = MicroBatches(on=pipeline)
         self._out: dict[int, Delta] = {}  # this step's deltas, by key
+        self.grammars = Grammars(tokenizer, target.vocab_size)  # structured output
         self._index_drafters()
 
     # ---- configuration ------------------------------------------------------------------------
@@ -143,6 +145,8 @@ class SpecEngine:
     def add_request(self, req: Request) -> int:
         """Validate (ValueError names the field and the limit) and queue; returns the key."""
         req = validate(req, self.limits)
+        if req.sampling.grammar is not None:
+            self.grammars.check(*req.sampling.grammar)
         key = self._next_key
         self._next_key += 1
         self.waiting.append((key, req))
@@ -217,6 +221,8 @@ class SpecEngine:
                                             num_prompt=len(req.prompt_ids), seed=seed,
                                             gen=new_generator(self.device).manual_seed(seed), text=text,
                                             mode=mode_of(req), draft=draft)
+            if p.grammar is not None:
+                s.constraint = self.grammars.constraint(*p.grammar)
             if p.num_beams > 1:
                 # The other members hold their slots from now on, and get the prompt's KV once it is
                 # prefilled (`_beam_start`). Their keys (for the drafters) come from the same counter.
@@ -273,6 +279,9 @@ class SpecEngine:
             plain = [b for b, s in enumerate(done) if s.beam is None]
             if plain:
                 seqs = [done[b] for b in plain]
+                for b, s in zip(plain, seqs):
+                    if s.constraint is not None:
+                        s.constraint.mask(logits[b, None], [])
                 for b, s, tok in zip(plain, seqs, first_tokens(logits[plain], seqs, self._noise_gen)):
                     self._commit(s, [tok], self._logprobs(s, logits[b, None], [tok]))
             for b, s in enumerate(done):
@@ -325,7 +334,8 @@ class SpecEngine:
                         wants[d] = self.policy.wants_shadow(d, free=self.drafters[d].free_drafting)
                     if wants[d]:
                         gammas[b], shadow[b] = cap, True
-        trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
+        # (A grammar row drafts a chain: its masks are per chain position, `grammar.Constraint.mask`.)
+        trees = [0 if shadow[b] or not gammas[b] or s.constraint is not None else s.req.speculation.tree if s.req.speculation.tree is not None
                  else self.policy.tree_for(s.draft) if s.req.auto_gamma and self.policy is not None else 0
                  for b, s in enumerate(seqs)]
         return launch(seqs, gammas, self.drafters, self.feature_store, asynchronous, trees, self.feature_cols, shadow)
@@ -376,6 +386,11 @@ class SpecEngine:
         hidden, feats = self._forward([r.seq.slot for r in rows], batch.feed, [len(r.drafts) + 1 for r in rows],
                                       tree=batch.tree)  # [B, G+1, E], [B, G+1, F*E] | None
         logits = self.target.logits(hidden).float()  # [B, G+1, V]
+        tg = time.perf_counter()
+        for b, r in enumerate(rows):  # structured output: the target as its grammar allows it
+            if r.seq.constraint is not None:
+                r.seq.constraint.mask(logits[b, :len(r.drafts) + 1], r.drafts)
+        self.batcher.grammar_s += time.perf_counter() - tg
         verdicts = accept(logits, batch, self._noise_gen)
         t2 = time.perf_counter()
         if self.observer is not None:
@@ -479,7 +494,11 @@ class SpecEngine:
         for tok in new:
             s.tokens.append(tok)
             emitted.append(tok)
+            if s.constraint is not None:
+                s.constraint.commit(tok)
             if not p.ignore_eos and tok in self.eos:
+                reason = "stop"
+            elif s.constraint is not None and s.constraint.done:  # the grammar is complete
                 reason = "stop"
             elif stops and s.text.push([tok]):
                 reason = "stop"

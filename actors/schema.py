@@ -44,6 +44,8 @@ MAX_BEAMS = 16
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 MIN_TOP_P = 1e-6
 MAX_LOGPROBS = 20  # the most alternatives a request may ask log-probabilities of, per token
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # see actors/grammar.py
+MAX_GRAMMAR_BYTES = 64 * 1024
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -66,6 +68,8 @@ class SamplingParams:
     # top-k and top-p; temperature 0: the raw distribution), and of the k likeliest tokens there.
     # None = off; 0 = the chosen tokens' only.
     logprobs: int | None = None
+    # Structured output: (kind, spec), kind one of GRAMMAR_KINDS (actors/grammar.py); None = free text.
+    grammar: tuple[str, str] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -201,6 +205,10 @@ _RULES = {  # field (its wire path) -> its rule; the message says what the rule 
     "sampling.length_penalty": (_rule(Annotated[_NUMBER, Field(ge=-10, le=10)]),
                                 "sampling.length_penalty must be a number in [-10, 10], got {v!r}"),
     "sampling.early_stopping": (_rule(bool), "sampling.early_stopping must be true or false, got {v!r}"),
+    "sampling.grammar": (_rule(tuple[Literal[GRAMMAR_KINDS], Annotated[str, Field(max_length=MAX_GRAMMAR_BYTES)]]
+                               | None),
+                         f"sampling.grammar must be (kind, spec) with kind one of {list(GRAMMAR_KINDS)} and a spec "
+                         f"of at most {MAX_GRAMMAR_BYTES} characters, got {{v!r:.200}}"),
     "sampling.logprobs": (_rule(Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None),
                           f"sampling.logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {{v!r}}"),
     "speculation.gamma": (_rule(Literal["auto"] | Annotated[int, Field(ge=0, le=MAX_GAMMA)]),
@@ -272,9 +280,12 @@ def validate(req: Request, limits: Limits) -> Request:
             raise ValueError("sampling.stop is not supported with sampling.num_beams > 1")
         if s.logprobs is not None:
             raise ValueError("sampling.logprobs is not supported with sampling.num_beams > 1")
+        if s.grammar is not None:
+            raise ValueError("sampling.grammar is not supported with sampling.num_beams > 1")
     _check("sampling.length_penalty", s.length_penalty)
     _check("sampling.early_stopping", s.early_stopping)
     _check("sampling.logprobs", s.logprobs)
+    _check("sampling.grammar", None if s.grammar is None else tuple(s.grammar))
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft
     draft = limits.aliases.get(draft, draft)  # a spec the server serves under a name of its own
@@ -296,7 +307,8 @@ def validate(req: Request, limits: Limits) -> Request:
     if draft == NO_DRAFT or gamma == 0:
         draft, gamma = NO_DRAFT, 0
     return replace(req, prompt_ids=list(ids),
-                   sampling=replace(s, max_tokens=max_tokens, stop=stop),
+                   sampling=replace(s, max_tokens=max_tokens, stop=stop,
+                                    grammar=None if s.grammar is None else tuple(s.grammar)),
                    speculation=SpeculationParams(draft=draft, gamma=gamma, tree=sp.tree, threshold=threshold,
                                                  entropy_gate=sp.entropy_gate, acceptance=sp.acceptance))
 

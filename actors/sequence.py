@@ -85,6 +85,7 @@ class Sequence:
     entropy: float | None = None  # EMA of the target's entropy (nats) at its committed positions (entropy gate)
     shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
     beam: object | None = None  # beam search: the request's `beam.BeamGroup` (every member points to it)
+    constraint: object | None = None  # structured output: its `grammar.Constraint` (state: the committed tokens)
 
     @property
     def output(self) -> list[int]:

@@ -14,13 +14,16 @@ stream: the router cancels the generation (unless coalesced callers remain), whi
 Beside OpenAI's fields (`max_tokens`, chat's `max_completion_tokens`, `temperature`, `top_p`,
 `stop`, `seed`, `stream`, `stream_options.include_usage`, `logprobs` with chat's `top_logprobs`:
 the target's log-probabilities after temperature and top-k/top-p, exact under speculation; `n` up
-to MAX_N choices, independent generations, seeded seed, seed + 1, ...: reproducible) a body may carry vLLM's `ignore_eos`
-and `return_token_ids`, and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
+to MAX_N choices, independent generations, seeded seed, seed + 1, ...: reproducible;
+`response_format` json_object / json_schema) a body may carry vLLM's `ignore_eos`,
+`return_token_ids` and structured outputs (`structured_outputs` with json, regex, choice or
+grammar, or the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: see
+actors/grammar.py, lossless under speculation), and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
 `threshold`, `entropy_gate`, `acceptance`, `top_k`, `num_beams`, `length_penalty`,
 `early_stopping`, `request_id` (for Abort). As vLLM does, a field the server does not know is
 accepted and named in one warning log line per request. A field that would change the output in
-a way this server cannot honour yet (`tools`, `tool_choice` other than "none", `response_format`
-other than text, penalties, `logit_bias`, ...: `UNSUPPORTED`) is refused
+a way this server cannot honour yet (`tools`, `tool_choice` other than "none", penalties,
+`logit_bias`, ...: `UNSUPPORTED`) is refused
 by name (400) unless it holds its neutral value.
 A completions `prompt` is text, or a list of token ids.
 
@@ -91,13 +94,10 @@ def _off(v) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tools": _off, "functions": _off, "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "prompt_logprobs": lambda v: v is None,
     "best_of": lambda v: v in (None, 1),
     "presence_penalty": _off, "frequency_penalty": _off, "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "logit_bias": _off, "min_tokens": _off, "echo": _off, "suffix": _off,
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off,
 }
 
 
@@ -115,7 +115,52 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     n: Int32 | None = None  # choices: independent generations (seeded: seed, seed + 1, ...)
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS
+    ignore_eos: bool = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        self.grammar()  # (a 400 when malformed or when two grammars are given)
+        return self
+
+    def grammar(self) -> tuple[str, str] | None:
+        """SamplingParams.grammar from whichever structured-output field the body uses."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("json_object", ""))
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+                found.append(("json_schema", json.dumps(schema)))
+            elif kind != "text":
+                raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        so = dict(self.structured_outputs or {})
+        for name, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                            ("grammar", self.guided_grammar)):
+            if value is not None:
+                so[name] = value
+        for name, value in so.items():
+            if name == "json":
+                found.append(("json_schema", value if isinstance(value, str) else json.dumps(value)))
+            elif name == "choice":
+                found.append(("choice", json.dumps(value)))
+            elif name in ("regex", "grammar"):
+                found.append((name, value))
+            elif value not in (None, False):
+                raise ValueError(f"structured_outputs.{name} is not supported (json, regex, choice, grammar)")
+        if len(found) > 1:
+            raise ValueError("give one structured output: response_format, structured_outputs or a guided_* field")
+        return found[0] if found else None  # vLLM's extension: generate max_tokens whatever EOS
     # specd's controls
     top_k: Annotated[int, Field(ge=0, le=INT32)] | None = None
     num_beams: Annotated[int, Field(ge=0, le=2 ** 32 - 1)] | None = None
@@ -165,7 +210,8 @@ class _Body(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=seed, stop=stop,
             num_beams=1 if self.num_beams is None else self.num_beams,
             length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
-            early_stopping=bool(self.early_stopping), ignore_eos=self.ignore_eos, logprobs=self.logprobs_k())
+            early_stopping=bool(self.early_stopping), ignore_eos=self.ignore_eos, logprobs=self.logprobs_k(),
+            grammar=self.grammar())
         speculation = SpeculationParams(
             draft=self.draft or None, gamma=AUTO if self.gamma == "auto" else self.gamma, tree=self.tree,
             threshold=self.threshold, entropy_gate=self.entropy_gate, acceptance=self.acceptance or "lossless")

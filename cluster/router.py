@@ -37,6 +37,7 @@ from enum import Enum
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.build import draft_kind
+from actors.grammar import Grammars
 from actors.models import model_name
 from actors.schema import (
     MAX_BEAMS,
@@ -120,6 +121,7 @@ class Router:
         self.verifier = verifier
         self.draft_handles = drafts or {}
         self.tokenizer = load_tokenizer(self.cfg.model)  # None: token-id prompts only (space-separated ids)
+        self.grammars = Grammars(self.tokenizer, self.limits.vocab_size)
         self.inflight: dict[str, _Generation] = {}
         self.subscriptions: dict[str, list[_Subscription]] = {}  # caller's request id -> its streams here
         self._replicas_cache: tuple[float, dict[str, list[str]]] = (0.0, {})
@@ -176,7 +178,10 @@ class Router:
         self.counters["requests_total"] += 1
         try:
             ids = await asyncio.to_thread(self.encode, **source)
-            return validate(Request(request_id or uuid.uuid4().hex, ids, sampling, speculation), self.limits)
+            req = validate(Request(request_id or uuid.uuid4().hex, ids, sampling, speculation), self.limits)
+            if req.sampling.grammar is not None:  # a grammar that cannot compile is refused here, by name
+                await asyncio.to_thread(self.grammars.check, *req.sampling.grammar)
+            return req
         except ValueError as e:
             raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
 

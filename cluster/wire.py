@@ -24,7 +24,8 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
         num_beams=s.num_beams if s.HasField("num_beams") else 1,
         length_penalty=s.length_penalty if s.HasField("length_penalty") else 1.0,
         early_stopping=s.early_stopping if s.HasField("early_stopping") else False, ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs if s.HasField("logprobs") else None)
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        grammar=(s.grammar.kind, s.grammar.spec) if s.HasField("grammar") else None)
 
 
 def speculation_from_proto(sp: specd_pb2.SpeculationParams) -> SpeculationParams:

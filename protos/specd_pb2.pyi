@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_beams", "length_penalty", "early_stopping", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_beams", "length_penalty", "early_stopping", "ignore_eos", "logprobs", "grammar")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class SamplingParams(_message.Message):
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -62,7 +63,16 @@ class SamplingParams(_message.Message):
     early_stopping: bool
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "spec")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
     __slots__ = ("draft", "gamma", "gamma_auto", "tree", "threshold", "entropy_gate", "acceptance")

@@ -146,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="--local: only benchmark beam search at these widths (e.g. 2,4): HF beam search, this "
                         "engine's with speculation off, and with each --draft (default ngram, default); "
                         "fp32 unless --dtype; writes out/bench_beams.json")
+    b.add_argument("--structured", action="store_true",
+                   help="--local: only the structured-output workload (three JSON schemas, greedy) with and without "
+                        "its grammar, speculation off and on per --draft (default ngram, default), at --batch-sizes; "
+                        "writes out/bench_structured.json (specd/bench/structured.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -369,6 +373,10 @@ def _bench(args) -> int:
                          "or --serve (start one from --config)")
     from pathlib import Path
 
+    if args.structured:
+        from .bench import structured
+
+        return structured.main(args)
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens

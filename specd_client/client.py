@@ -280,7 +280,8 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = None, num_beams: int | None = None,
                   length_penalty: float | None = None, early_stopping: bool | None = None,
-                  ignore_eos: bool = False, logprobs: int | None = None, draft: str | None = None,
+                  ignore_eos: bool = False, logprobs: int | None = None,
+                  grammar: tuple[str, str] | None = None, draft: str | None = None,
                   gamma: int | str | None = None,
                   tree: int | None = None,
                   threshold: float | None = None, entropy_gate: float | None = None,
@@ -312,6 +313,8 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
     s = req.sampling
     s.top_k = top_k or 0
     s.ignore_eos = bool(ignore_eos)
+    if grammar is not None:  # structured output: (kind, spec), e.g. ("json_schema", json.dumps(schema))
+        s.grammar.kind, s.grammar.spec = grammar
     if stop is not None:
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),

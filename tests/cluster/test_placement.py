@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import openai
+import pydantic
 import pytest
 import ray
 import torch
@@ -348,13 +349,15 @@ def test_a_coalesced_stream_outlives_the_caller_that_started_it(nodes):
 
 @pytest.fixture(scope="module")
 def chat_app(nodes, tokens_file):
-    """A second application on the cluster: the embedded chat model (no drafts, no pool resources)."""
+    """A second application on the cluster: the embedded chat model (an n-gram draft, off unless a
+    request names it; no pool resources)."""
     addr, _, _ = nodes
     cfg = ClusterConfig.model_validate({
         "app_name": "specd-chat", "route_prefix": "/chat", "model": "smollm2", "dtype": "fp32", "max_len": 256,
         "auth": {"tokens_file": str(tokens_file)},
-        "router": {"max_tokens": 32, "default_max_tokens": 8, "max_queue": 1},
-        "verifier": {"max_batch": 2, "resources": {}}, "drafts": []})
+        "router": {"max_tokens": 64, "default_max_tokens": 8, "max_queue": 1},
+        "verifier": {"max_batch": 2, "resources": {}},
+        "drafts": [{"name": "ngram", "spec": "ngram", "placement": "colocated", "default_gamma": 4}]})
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
     with SpecdClient(addr, timeout=120, token=TOKEN, app_name=cfg.app_name) as client:
         S.wait_serving(client, timeout=180)
@@ -377,6 +380,27 @@ def test_openai_chat_completions_equal_the_grpc_path(chat_app):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    city: str
+
+
+def test_openai_structured_output_parses_and_speculation_changes_nothing(chat_app):
+    """The official client's structured-output helper (`chat.completions.parse` with a pydantic
+    model: response_format json_schema, strict) against the cluster: the answer parses into the
+    model, with speculation off and on (n-gram, drafting), token for token the same."""
+    oa = openai_client(prefix="/chat")
+    messages = [{"role": "user", "content": "Give me a JSON record for Alice, 30, who lives in Paris."}]
+    outs = []
+    for extra in ({"draft": "none"}, {"draft": "ngram", "gamma": 4}):
+        r = oa.chat.completions.parse(model="smollm2", messages=messages, response_format=Person, max_tokens=60,
+                                      temperature=0, extra_body={**extra, "return_token_ids": True})
+        assert isinstance(r.choices[0].message.parsed, Person) and r.choices[0].finish_reason == "stop"
+        outs.append((r.choices[0].token_ids, r.spec_decode_metrics["num_draft_tokens"]))
+    assert outs[0][0] == outs[1][0] and outs[0][1] == 0 and outs[1][1] > 0
 
 
 def test_openai_overload_is_429_and_coalescing_applies(chat_app):

@@ -166,7 +166,7 @@ def test_unknown_fields_are_accepted_with_one_warning(served, caplog):
 
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("tool_choice", "required"), ("response_format", {"type": "json_object"}),
+                                         ("tool_choice", "required"), ("functions", [{"name": "f"}]),
                                          ("presence_penalty", 1.0), ("best_of", 2), ("frequency_penalty", 0.5),
                                          ("logit_bias", {"5": 10})])
 def test_fields_the_server_cannot_honour_are_refused_by_name(served, field, value):
@@ -248,3 +248,32 @@ def test_n_choices_are_independent_generations_seeded_in_turn(served):
     chunks = list(oa.completions.create(model="tiny", prompt="1 2", n=2, stream=True, temperature=1.0))
     assert [c.choices[0].index for c in chunks] == [0, 0, 1, 1]
     assert [q.sampling.seed for q in verifier.requests[-2:]] == [None, None]  # unseeded: each draws its own
+
+
+def test_structured_output_fields_become_the_requests_grammar(served):
+    """response_format, vLLM's structured_outputs and guided_* all reach the schema as one grammar;
+    two at once, or a malformed one, are a 400; a grammar needs a model with a tokenizer (the canned
+    router's "tiny" has none: refused by the router, by name, before any verifier sees it)."""
+    verifier, oa = served
+    verifier.ready = True
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              ("json_schema", json.dumps(schema))),
+             ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+             ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+             ({"guided_choice": ["a", "b"]}, ("choice", json.dumps(["a", "b"]))),
+             ({"guided_json": schema}, ("json_schema", json.dumps(schema))),
+             ({"response_format": {"type": "text"}}, None)]
+    from cluster.http import CompletionBody
+
+    for extra, want in cases:
+        assert CompletionBody(model="tiny", prompt="1", **extra).request_args()["sampling"].grammar == want
+    before = len(verifier.requests)
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="1 2", extra_body=cases[0][0])
+    assert "sampling.grammar needs a model with a tokenizer" in e.value.body["message"]
+    for bad in ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+                {"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema"}}):
+        with pytest.raises(openai.BadRequestError):
+            oa.completions.create(model="tiny", prompt="1 2", extra_body=bad)
+    assert len(verifier.requests) == before

@@ -361,7 +361,7 @@ def test_a_request_may_name_a_draft_by_the_spec_it_serves():
 
 def test_logprobs_cross_the_wire_to_the_sdk():
     """A delta's per-token log-probabilities reach the SDK's Chunk and Result (gRPC), and the
-    request's k crosses the other way."""
+    request's k and grammar cross the other way."""
     from actors.schema import Delta, TokenLogprob
     from cluster.wire import delta_to_proto, sampling_from_proto
     from specd_client.client import _chunk, _result
@@ -372,3 +372,6 @@ def test_logprobs_cross_the_wire_to_the_sdk():
         assert [(x.token_id, x.logprob, x.top) for x in got] == [(5, -0.5, [(5, -0.5), (9, -1.5)]), (6, -0.25, [])]
     assert sampling_from_proto(build_request(prompt="1", logprobs=3).sampling).logprobs == 3
     assert sampling_from_proto(build_request(prompt="1").sampling).logprobs is None
+    g = ("json_schema", '{"type": "object"}')  # and a grammar (structured output)
+    assert sampling_from_proto(build_request(prompt="1", grammar=g).sampling).grammar == g
+    assert sampling_from_proto(build_request(prompt="1").sampling).grammar is None
