@@ -293,6 +293,6 @@ def walk_sampled(logits: torch.Tensor, s: Sequence, drafts: list[int], parents: 
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] logits -> [...] entropy (nats) of the target's distribution (temperature 1)."""
-    logp = torch.log_softmax(logits.float(), -1)
-    return -(logp.exp() * logp).sum(-1)
+    """[..., V] logits -> [...] entropy (nats) of the target's distribution (temperature 1); a token
+    masked to -inf (a grammar) counts 0, not NaN."""
+    return torch.special.entr(torch.softmax(logits.float(), -1)).sum(-1)
