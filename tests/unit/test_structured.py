@@ -118,3 +118,87 @@ def test_the_check_catches_masks_that_ignore_the_drafts(engine, smollm2, monkeyp
             engine.abort(key)
         return
     assert got != ref
+
+
+def _fixed_drafter(token: int):
+    """A deterministic drafter that proposes `token` every step."""
+    import torch
+
+    from actors.drafters.base import Drafter, Proposal
+
+    class Fixed(Drafter):
+        name = "fixed"
+
+        def propose(self, seqs):
+            return Proposal(tokens=torch.full((len(seqs), 1), token, dtype=torch.long), num_draft=[1] * len(seqs))
+
+        def release(self, seq_id: int) -> None:
+            pass
+    return Fixed()
+
+
+N_LAW = 600
+
+
+@pytest.fixture(scope="module")
+def law_engine(smollm2):
+    """An engine whose drafter always proposes the digit "1". (Its pass cost is a stand-in: every
+    request here has a fixed γ, so the speculation policy it feeds never decides anything.)"""
+    from actors.calibrate import PassCost, grid
+
+    tok = smollm2.tokenizer
+    one = tok.encode("1", add_special_tokens=False)[0]
+    return SpecEngine(LlamaRunner(smollm2.model), {"fixed": _fixed_drafter(one)}, tokenizer=tok,
+                      eos_token_ids=smollm2.eos_token_ids, max_batch=100, max_len=64,
+                      pass_cost=PassCost({(b, t): 0.01 * t for b, t in grid(100)}))
+
+
+def _digit_law(smollm2, eng, seeded: bool):
+    """Sampled requests under the grammar x=[123] with a drafter that always proposes "1": the
+    digit is drawn by verification against the masked target (the draft is tested at that
+    position). Returns (chi-square p-value against the masked target's law there, counts, stats)."""
+    import scipy.stats
+    import torch
+
+    tok = smollm2.tokenizer
+    x, eq = tok.encode("x=", add_special_tokens=False)
+    digits = [tok.encode(d, add_special_tokens=False)[0] for d in "123"]
+    ids = tok.encode("Pick a digit: x=", add_special_tokens=False)
+    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=6, temperature=1.0, seed=9_000 + i if seeded else None,
+                                                 grammar=("regex", "x=[123]")),
+                    SpeculationParams(draft="fixed", gamma=1)) for i in range(N_LAW)]
+    done = eng.generate(reqs)
+    assert all(c.text in ("x=1", "x=2", "x=3") and c.finish_reason == "stop" for c in done)
+    counts = torch.bincount(torch.tensor([int(c.text[-1]) - 1 for c in done]), minlength=3).double()
+    with torch.inference_mode():
+        logits = smollm2.model(torch.tensor([ids + [x, eq]])).logits[0, -1].double()
+    p = torch.softmax(logits[digits], -1)  # the target at the digit, masked to the grammar
+    stats = (sum(c.stats.draft_tokens for c in done), sum(c.stats.accepted_tokens for c in done))
+    return float(scipy.stats.chisquare(counts, p * N_LAW).pvalue), counts, stats
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupled"])
+def test_sampled_output_keeps_the_masked_targets_law(smollm2, law_engine, seeded):
+    pvalue, counts, (drafted, accepted) = _digit_law(smollm2, law_engine, seeded)
+    assert drafted > N_LAW and 0 < accepted < drafted  # the draft was tested at the digit, and both ways
+    assert pvalue > 1e-3, counts
+
+
+def test_the_law_check_catches_accepting_every_allowed_draft(smollm2, law_engine, monkeypatch):
+    """The check can fail: verification that accepts every draft the grammar allows (no
+    rejection sampling: a one-token draft with masked probability > 0 is kept) emits "1" far more
+    often than the masked target does."""
+    import actors.acceptance as acceptance_mod
+
+    def accept_all(p, q, draft, num_draft, gens):
+        import torch
+
+        from actors.sampling import sample
+
+        ok = (p[:, 0].gather(-1, draft[:, :1]) > 0)[:, 0] & (num_draft > 0)  # [B]
+        last = torch.where(ok, sample(p[:, -1], gens), sample(p[:, 0], gens))
+        out = torch.stack([torch.where(ok, draft[:, 0], last), torch.where(ok, last, -1)], 1)
+        return ok.long(), out
+    monkeypatch.setattr(acceptance_mod, "verify_sampled", accept_all)
+    pvalue, counts, _ = _digit_law(smollm2, law_engine, seeded=False)
+    assert pvalue < 1e-9, counts
