@@ -382,8 +382,8 @@ def build_http_app(router: Router) -> FastAPI:
             for st in streams:
                 await st.aclose()
             return _refusal(router.failure(e))
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + firsts[0].request_id.split("/")[0],
-                "created": int(time.time()), "model": model}
+        rid = firsts[0].request_id if n == 1 else firsts[0].request_id.rsplit("/", 1)[0]  # ("id/0": choice 0)
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": int(time.time()), "model": model}
         if body.stream:
             return StreamingResponse(_events(router, firsts, streams, head, chat, body.return_token_ids,
                                              body.include_usage), media_type="text/event-stream")
