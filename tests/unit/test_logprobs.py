@@ -37,9 +37,14 @@ def reference(model, req: Request, output: list[int]) -> torch.Tensor:
     ("ngram", 4, None, {}),
     ("ngram", 4, 8, {}),
     ("ngram", 4, None, {"temperature": 0.8, "top_k": 50, "seed": 3}),
-    ("ngram", 4, None, {"temperature": 1.2, "top_p": 0.9}),
+    ("ngram", 4, None, {"temperature": 0.5, "top_p": 0.9, "seed": 4, "rejection": True}),
 ])
-def test_logprobs_equal_a_plain_forward(tiny, draft, gamma, tree, sampling):
+def test_logprobs_equal_a_plain_forward(tiny, monkeypatch, draft, gamma, tree, sampling):
+    """(Seeded, so each case is deterministic; "rejection": the rejection-sampling path instead of
+    the coupled one a seed selects.)"""
+    sampling = dict(sampling)
+    if sampling.pop("rejection", False):
+        monkeypatch.setattr(Request, "coupled", property(lambda self: False))
     eng = SpecEngine(LlamaRunner(tiny.model), {"ngram": NgramDrafter()}, max_batch=4, max_len=128)
     reqs = [request(f"r{i}", p, draft, gamma, max_tokens=24, logprobs=K, **sampling)
             for i, p in enumerate([REPETITIVE, rand_tokens(12, 5), REPETITIVE[3:]])]
