@@ -406,6 +406,14 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def join(cls, deltas: list["Delta"]) -> "Delta":
+        """One delta holding these in order: their tokens, text and logprobs, the last one's ending."""
+        last = deltas[-1]
+        lps = None if all(d.logprobs is None for d in deltas) else [x for d in deltas for x in d.logprobs or ()]
+        return cls(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+                   last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats, last.stop_string, lps)
+
 
 @dataclass
 class TokenLogprob:
@@ -429,8 +437,7 @@ class Completion:
 
     @classmethod
     def join(cls, deltas: list[Delta]) -> "Completion":
-        last = deltas[-1]
-        assert last.finished, "the last delta must finish the request"
-        lps = None if all(d.logprobs is None for d in deltas) else [x for d in deltas for x in d.logprobs or ()]
-        return cls(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                   last.finish_reason, last.prompt_tokens, last.stats or SpecStats(), last.stop_string, lps)
+        d = Delta.join(deltas)
+        assert d.finished, "the last delta must finish the request"
+        return cls(d.request_id, d.token_ids, d.text, d.finish_reason, d.prompt_tokens, d.stats or SpecStats(),
+                   d.stop_string, d.logprobs)

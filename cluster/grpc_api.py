@@ -82,12 +82,8 @@ class RouterDeployment(Router):
             return specd_pb2.GenerateResponse()
         if not deltas:
             return specd_pb2.GenerateResponse()
-        last = deltas[-1]
-        joined = Delta(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                       last.finish_reason, last.prompt_tokens, last.completion_tokens, last.stats, last.stop_string,
-                       None if all(d.logprobs is None for d in deltas) else
-                       [x for d in deltas for x in d.logprobs or ()])
-        return delta_to_proto(joined, request.request_id or last.request_id, coalesced)
+        joined = Delta.join(deltas)
+        return delta_to_proto(joined, request.request_id or joined.request_id, coalesced)
 
     async def GetStats(self, request, grpc_context=None) -> specd_pb2.StatsResponse:
         """Router counters, and every live verifier and draft replica (each asked through its
