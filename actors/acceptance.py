@@ -144,7 +144,8 @@ def first_tokens(logits: torch.Tensor, seqs: list[Sequence], noise_gen: torch.Ge
 def token_logprobs(logits: torch.Tensor, s: Sequence, tokens: list[int]) -> list[TokenLogprob]:
     """logits [n, V] at the positions that produced `tokens` (n) -> each token's log-probability
     and the request's k likeliest there, under the distribution it was chosen from: the target's
-    after temperature, top-k and top-p (greedy: the raw distribution). Exact under speculation:
+    (penalised and masked by `Sequence.shape`) after temperature, top-k and top-p (greedy: before
+    those three). Exact under speculation:
     these are the verify pass's own logits, whatever the draft proposed. (A second, small
     transfer, for the rows that asked.) A filtered-out token's -inf reads as -9999.0, as vLLM's."""
     p = s.req.sampling
@@ -254,6 +255,18 @@ def depths(parents: list[int]) -> list[int]:
     for p in parents:
         depth.append(depth[p] + 1)
     return depth[1:]
+
+
+def feed_paths(k: int, parents: list[int] | None = None) -> list[list[int]]:
+    """For each feed position of a row with k drafts (the root, then the drafts), the indices into
+    drafts of the tokens on the path to it, root first: a chain's position j has drafts[:j]; a tree
+    node, its ancestors' and its own. What a grammar or a penalty sees as context there."""
+    if parents is None:
+        return [list(range(j)) for j in range(k + 1)]
+    paths = [[]]
+    for i, p in enumerate(parents):
+        paths.append(paths[p] + [i])
+    return paths
 
 
 def walk(drafts: list[int], parents: list[int], choice: list[int]) -> tuple[list[int], int]:

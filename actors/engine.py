@@ -37,6 +37,7 @@ from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Features, Flight, feature_columns, feature_union, gather, launch
 from .grammar import Grammars
+from .penalties import Penalties
 from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
@@ -223,6 +224,7 @@ class SpecEngine:
                                             mode=mode_of(req), draft=draft)
             if p.grammar is not None:
                 s.constraint = self.grammars.constraint(*p.grammar)
+            s.penalties = Penalties.of(p.penalties, req.prompt_ids, self.target.vocab_size, self.device)
             if p.num_beams > 1:
                 # The other members hold their slots from now on, and get the prompt's KV once it is
                 # prefilled (`_beam_start`). Their keys (for the drafters) come from the same counter.
@@ -280,8 +282,7 @@ class SpecEngine:
             if plain:
                 seqs = [done[b] for b in plain]
                 for b, s in zip(plain, seqs):
-                    if s.constraint is not None:
-                        s.constraint.mask(logits[b, None], [])
+                    s.shape(logits[b, None])
                 for b, s, tok in zip(plain, seqs, first_tokens(logits[plain], seqs, self._noise_gen)):
                     self._commit(s, [tok], self._logprobs(s, logits[b, None], [tok]))
             for b, s in enumerate(done):
@@ -334,8 +335,7 @@ class SpecEngine:
                         wants[d] = self.policy.wants_shadow(d, free=self.drafters[d].free_drafting)
                     if wants[d]:
                         gammas[b], shadow[b] = cap, True
-        # (A grammar row drafts a chain: its masks are per chain position, `grammar.Constraint.mask`.)
-        trees = [0 if shadow[b] or not gammas[b] or s.constraint is not None else s.req.speculation.tree if s.req.speculation.tree is not None
+        trees = [0 if shadow[b] or not gammas[b] else s.req.speculation.tree if s.req.speculation.tree is not None
                  else self.policy.tree_for(s.draft) if s.req.auto_gamma and self.policy is not None else 0
                  for b, s in enumerate(seqs)]
         return launch(seqs, gammas, self.drafters, self.feature_store, asynchronous, trees, self.feature_cols, shadow)
@@ -387,9 +387,8 @@ class SpecEngine:
                                       tree=batch.tree)  # [B, G+1, E], [B, G+1, F*E] | None
         logits = self.target.logits(hidden).float()  # [B, G+1, V]
         tg = time.perf_counter()
-        for b, r in enumerate(rows):  # structured output: the target as its grammar allows it
-            if r.seq.constraint is not None:
-                r.seq.constraint.mask(logits[b, :len(r.drafts) + 1], r.drafts)
+        for b, r in enumerate(rows):  # the target as each request scores it: penalties, grammar
+            r.seq.shape(logits[b, :len(r.drafts) + 1], r.drafts, r.parents)
         self.batcher.grammar_s += time.perf_counter() - tg
         verdicts = accept(logits, batch, self._noise_gen)
         t2 = time.perf_counter()
@@ -494,8 +493,7 @@ class SpecEngine:
         for tok in new:
             s.tokens.append(tok)
             emitted.append(tok)
-            if s.constraint is not None:
-                s.constraint.commit(tok)
+            s.consume(tok)
             if not p.ignore_eos and tok in self.eos:
                 reason = "stop"
             elif s.constraint is not None and s.constraint.done:  # the grammar is complete

@@ -7,15 +7,16 @@ text), "json_object" (any JSON object), "regex", "choice" (a JSON list of string
 of the allowed next tokens), which vLLM and SGLang also use; it is chosen over xgrammar here
 because its wheel needs nothing else, where xgrammar's pulls triton onto a CPU machine.
 
-Semantics under speculation (`mask`): at every position of a row's chain, the target's logits are
-masked to what the grammar allows after the committed tokens and the drafts before that position;
-acceptance then runs unchanged on the masked logits (greedy argmax, rejection sampling, coupled
-noise). A draft token the grammar forbids has masked probability 0, so it is rejected there and
-nothing after it is looked at: the positions beyond keep their logits, which no verdict reads. The
-matcher consumes a row's drafts only to compute the masks and is rolled back at once; it consumes
-the tokens the engine commits (`Constraint.commit`). So the output is the target's, constrained:
-greedy output is identical with and without speculation, sampled output keeps the masked target's
-law, whatever the draft proposed. (Grammar rows draft chains: a token tree is not masked per node.)
+Semantics under speculation (`mask`): at every position of a row (a chain, or each node of a
+token tree), the target's logits are masked to what the grammar allows after the committed tokens
+and the drafts on the path to that position; acceptance then runs unchanged on the masked logits
+(greedy argmax, rejection sampling, coupled noise, tree walks). A draft token the grammar forbids
+has masked probability 0, so it is rejected where it is proposed and nothing below it is looked
+at: the positions beyond keep their logits, which no verdict reads. The matcher consumes a row's
+drafts only to compute the masks (a tree: down each branch, rolled back to the fork before the
+next) and is rolled back at once; it consumes the tokens the engine commits (`Constraint.commit`).
+So the output is the target's, constrained: greedy output is identical with and without
+speculation, sampled output keeps the masked target's law, whatever the draft proposed.
 
 Does not know: the engine, drafters or models; it needs the tokenizer (built once per engine).
 """
@@ -26,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .acceptance import feed_paths
 from .schema import GRAMMAR_KINDS as KINDS
+from .sequence import common_prefix
 
 
 def grammar_text(kind: str, spec: str) -> str:
@@ -90,23 +93,33 @@ class Constraint:
     matcher: object  # llguidance.LLMatcher
     bitmask: torch.Tensor  # [rows, ceil(V / 32)] int32, grown as needed
 
-    def mask(self, logits: torch.Tensor, drafts: list[int]) -> None:
-        """logits [k+1, V] of a chain (root, then k drafts), masked in place: position j by what the
-        grammar allows after the committed tokens and drafts[:j], up to the first draft it forbids
-        (see the module docstring)."""
+    def mask(self, logits: torch.Tensor, drafts: list[int], parents: list[int] | None = None) -> None:
+        """logits [k+1, V] of a row (root, then its k drafts in feed order; parents: a token tree's,
+        None for a chain), masked in place: position j by what the grammar allows after the
+        committed tokens and the drafts on the path to j. A position whose path holds a draft the
+        grammar forbids is left as it is (no verdict reaches it: see the module docstring)."""
         import llguidance.torch as lt
 
-        if self.bitmask.shape[0] < len(drafts) + 1:
-            self.bitmask = lt.allocate_token_bitmask(len(drafts) + 1, self.bitmask.shape[1] * 32)
-        m, n = self.matcher, 0
-        for j in range(len(drafts) + 1):
-            lt.fill_next_token_bitmask(m, self.bitmask, j)
-            if j == len(drafts) or m.try_consume_tokens([drafts[j]]) != 1:
-                break
-            n += 1
-        if n:
-            m.rollback(n)
-        lt.apply_token_bitmask_inplace(logits[:n + 1], self.bitmask[:n + 1].to(logits.device))
+        k = len(drafts)
+        if self.bitmask.shape[0] < k + 1:
+            self.bitmask = lt.allocate_token_bitmask(k + 1, self.bitmask.shape[1] * 32)
+        m, held = self.matcher, []  # held: the drafts the matcher has consumed, a path from the root
+        for j, path in enumerate(feed_paths(k, parents)):
+            c = common_prefix(held, path)
+            if len(held) > c:  # back to the fork (a tree), never past the committed tokens
+                m.rollback(len(held) - c)
+                del held[c:]
+            for i in path[c:]:
+                if m.try_consume_tokens([drafts[i]]) != 1:
+                    break
+                held.append(i)
+            if len(held) == len(path):
+                lt.fill_next_token_bitmask(m, self.bitmask, j)
+            else:
+                self.bitmask[j].fill_(-1)  # every token allowed: an unreachable position
+        if held:
+            m.rollback(len(held))
+        lt.apply_token_bitmask_inplace(logits[:k + 1], self.bitmask[:k + 1].to(logits.device))
 
     def commit(self, token: int) -> None:
         """The engine committed `token` (drawn from masked logits, so the grammar allows it)."""

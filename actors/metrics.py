@@ -22,7 +22,7 @@ class BatcherStats:
     draft_s: float = 0.0  # drafting not hidden behind a target pass
     draft_wait_s: float = 0.0  # of which: blocked on asynchronous (remote) answers
     draft_flight_s: float = 0.0  # pipelined: send -> answers in hand; minus the waits = hidden drafting
-    grammar_s: float = 0.0  # structured output: computing and applying grammar masks (in verify_s and prefill_s)
+    grammar_s: float = 0.0  # shaping the target's logits in verify passes (grammar masks, and penalties), within verify_s
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -44,6 +44,7 @@ MAX_BEAMS = 16
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 MIN_TOP_P = 1e-6
 MAX_LOGPROBS = 20  # the most alternatives a request may ask log-probabilities of, per token
+MAX_REPETITION_PENALTY = 10.0  # sampling.repetition_penalty lies in (0, this]
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # see actors/grammar.py
 MAX_GRAMMAR_BYTES = 64 * 1024
 ROLES = ("system", "user", "assistant", "tool")
@@ -64,16 +65,29 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
-    # Log-probabilities of each generated token under the target's distribution (after temperature,
-    # top-k and top-p; temperature 0: the raw distribution), and of the k likeliest tokens there.
+    # Log-probabilities of each generated token under the target's distribution (after penalties,
+    # a grammar's mask, temperature, top-k and top-p; temperature 0: without the last three), and of
+    # the k likeliest tokens there.
     # None = off; 0 = the chosen tokens' only.
     logprobs: int | None = None
     # Structured output: (kind, spec), kind one of GRAMMAR_KINDS (actors/grammar.py); None = free text.
     grammar: tuple[str, str] | None = None
+    # Penalties (vLLM's semantics, actors/penalties.py): presence and frequency over the output so
+    # far, in [-2, 2] (OpenAI's); repetition over prompt and output, in (0, MAX_REPETITION_PENALTY]
+    # (Hugging Face's). 0, 0, 1 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalties(self) -> tuple[float, float, float] | None:
+        """(presence, frequency, repetition), or None when all are off."""
+        t = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        return None if t == (0, 0, 1) else t
 
 
 @dataclass
@@ -209,6 +223,13 @@ _RULES = {  # field (its wire path) -> its rule; the message says what the rule 
                                | None),
                          f"sampling.grammar must be (kind, spec) with kind one of {list(GRAMMAR_KINDS)} and a spec "
                          f"of at most {MAX_GRAMMAR_BYTES} characters, got {{v!r:.200}}"),
+    "sampling.presence_penalty": (_rule(Annotated[_NUMBER, Field(ge=-2, le=2)]),
+                                  "sampling.presence_penalty must be in [-2, 2], got {v!r}"),
+    "sampling.frequency_penalty": (_rule(Annotated[_NUMBER, Field(ge=-2, le=2)]),
+                                   "sampling.frequency_penalty must be in [-2, 2], got {v!r}"),
+    "sampling.repetition_penalty": (_rule(Annotated[_NUMBER, Field(gt=0, le=MAX_REPETITION_PENALTY)]),
+                                    f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                                    "got {v!r}"),
     "sampling.logprobs": (_rule(Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None),
                           f"sampling.logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {{v!r}}"),
     "speculation.gamma": (_rule(Literal["auto"] | Annotated[int, Field(ge=0, le=MAX_GAMMA)]),
@@ -282,9 +303,14 @@ def validate(req: Request, limits: Limits) -> Request:
             raise ValueError("sampling.logprobs is not supported with sampling.num_beams > 1")
         if s.grammar is not None:
             raise ValueError("sampling.grammar is not supported with sampling.num_beams > 1")
+        if s.penalties is not None:
+            raise ValueError("sampling presence/frequency/repetition penalties are not supported with "
+                             "sampling.num_beams > 1")
     _check("sampling.length_penalty", s.length_penalty)
     _check("sampling.early_stopping", s.early_stopping)
     _check("sampling.logprobs", s.logprobs)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        _check(f"sampling.{name}", getattr(s, name))
     _check("sampling.grammar", None if s.grammar is None else tuple(s.grammar))
     sp = req.speculation
     draft = limits.default_draft if sp.draft in (None, "") else sp.draft

@@ -86,6 +86,22 @@ class Sequence:
     shadow: tuple[int, list[int]] | None = None  # (committed length, drafts) proposed but not verified
     beam: object | None = None  # beam search: the request's `beam.BeamGroup` (every member points to it)
     constraint: object | None = None  # structured output: its `grammar.Constraint` (state: the committed tokens)
+    penalties: object | None = None  # its `penalties.Penalties` (state: the committed output's counts)
+
+    def shape(self, logits: torch.Tensor, drafts: list[int] = (), parents: list[int] | None = None) -> None:
+        """The target's logits at this row's feed positions [k+1, V] as the request scores them, in
+        place: its penalties, then its grammar's masks (each at a position's own context)."""
+        if self.penalties is not None:
+            self.penalties.apply(logits, list(drafts), parents)
+        if self.constraint is not None:
+            self.constraint.mask(logits, list(drafts), parents)
+
+    def consume(self, token: int) -> None:
+        """`token` is committed: the penalties count it and the grammar advances over it."""
+        if self.penalties is not None:
+            self.penalties.commit(token)
+        if self.constraint is not None:
+            self.constraint.commit(token)
 
     @property
     def output(self) -> list[int]:

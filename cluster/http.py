@@ -13,17 +13,18 @@ stream: the router cancels the generation (unless coalesced callers remain), whi
 
 Beside OpenAI's fields (`max_tokens`, chat's `max_completion_tokens`, `temperature`, `top_p`,
 `stop`, `seed`, `stream`, `stream_options.include_usage`, `logprobs` with chat's `top_logprobs`:
-the target's log-probabilities after temperature and top-k/top-p, exact under speculation; `n` up
-to MAX_N choices, independent generations, seeded seed, seed + 1, ...: reproducible;
-`response_format` json_object / json_schema) a body may carry vLLM's `ignore_eos`,
-`return_token_ids` and structured outputs (`structured_outputs` with json, regex, choice or
+the target's log-probabilities after penalties, grammar, temperature and top-k/top-p, exact under
+speculation; `n` up to MAX_N choices, independent generations, seeded seed, seed + 1, ...:
+reproducible; `presence_penalty`, `frequency_penalty`; `response_format` json_object /
+json_schema) a body may carry vLLM's `ignore_eos`, `repetition_penalty` (actors/penalties.py:
+lossless under speculation), `return_token_ids` and structured outputs (`structured_outputs` with json, regex, choice or
 grammar, or the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: see
 actors/grammar.py, lossless under speculation), and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
 `threshold`, `entropy_gate`, `acceptance`, `top_k`, `num_beams`, `length_penalty`,
 `early_stopping`, `request_id` (for Abort). As vLLM does, a field the server does not know is
 accepted and named in one warning log line per request. A field that would change the output in
-a way this server cannot honour yet (`tools`, `tool_choice` other than "none", penalties,
-`logit_bias`, ...: `UNSUPPORTED`) is refused
+a way this server cannot honour yet (`tools`, `tool_choice` other than "none", `logit_bias`,
+`min_tokens`, ...: `UNSUPPORTED`) is refused
 by name (400) unless it holds its neutral value.
 A completions `prompt` is text, or a list of token ids.
 
@@ -96,7 +97,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none"),
     "prompt_logprobs": lambda v: v is None,
     "best_of": lambda v: v in (None, 1),
-    "presence_penalty": _off, "frequency_penalty": _off, "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "logit_bias": _off, "min_tokens": _off, "echo": _off, "suffix": _off,
 }
 
@@ -116,6 +116,9 @@ class _Body(BaseModel):
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     n: Int32 | None = None  # choices: independent generations (seeded: seed, seed + 1, ...)
     ignore_eos: bool = False
+    presence_penalty: float | None = None  # OpenAI's, in [-2, 2]
+    frequency_penalty: float | None = None  # OpenAI's, in [-2, 2]
+    repetition_penalty: float | None = None  # vLLM's extension (Hugging Face's), in (0, 10]
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -211,7 +214,9 @@ class _Body(BaseModel):
             num_beams=1 if self.num_beams is None else self.num_beams,
             length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
             early_stopping=bool(self.early_stopping), ignore_eos=self.ignore_eos, logprobs=self.logprobs_k(),
-            grammar=self.grammar())
+            grammar=self.grammar(), presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
         speculation = SpeculationParams(
             draft=self.draft or None, gamma=AUTO if self.gamma == "auto" else self.gamma, tree=self.tree,
             threshold=self.threshold, entropy_gate=self.entropy_gate, acceptance=self.acceptance or "lossless")

@@ -281,7 +281,9 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
                   stop: str | Sequence[str] | None = None, num_beams: int | None = None,
                   length_penalty: float | None = None, early_stopping: bool | None = None,
                   ignore_eos: bool = False, logprobs: int | None = None,
-                  grammar: tuple[str, str] | None = None, draft: str | None = None,
+                  grammar: tuple[str, str] | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                  draft: str | None = None,
                   gamma: int | str | None = None,
                   tree: int | None = None,
                   threshold: float | None = None, entropy_gate: float | None = None,
@@ -319,7 +321,9 @@ def build_request(prompt: str | None = None, messages: Iterable[Any] | None = No
         s.stop.extend([stop] if isinstance(stop, str) else list(stop))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),
                         ("num_beams", num_beams), ("length_penalty", length_penalty),
-                        ("early_stopping", early_stopping), ("logprobs", logprobs)):
+                        ("early_stopping", early_stopping), ("logprobs", logprobs),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty)):
         if value is not None:  # an optional field: set = sent, None = the server's default
             setattr(s, name, value)
     sp = req.speculation

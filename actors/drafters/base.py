@@ -39,6 +39,11 @@ class DraftSeq:
     # Coupled sampling (a seeded request): draft the token at view position i as
     # argmax(log q_i + gumbel_noise(seed, i)), the noise the target uses (see sampling.py).
     coupled: bool = False
+    # The request's (presence, frequency, repetition) penalties (`actors.penalties`), and where its
+    # output starts in the view (its prompt length): a model drafter penalises its chain logits as
+    # the target will (better acceptance; losslessness never depends on it). None: none.
+    penalties: tuple[float, float, float] | None = None
+    output_start: int = 0
     # Propose a token tree of at most `tree` nodes and depth `gamma` instead of a chain (0: a
     # chain). A drafter that cannot draft trees proposes a chain (Proposal.parents None).
     tree: int = 0

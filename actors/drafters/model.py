@@ -16,6 +16,7 @@ import math
 import torch
 
 from ..llama import LlamaRunner
+from ..penalties import DraftPenalties
 from ..sampling import coupled_scores, gumbel_noise, new_generator, process_logits, sample
 from .base import KV_HEADROOM, Drafter, DraftSeq, Proposal, apply_view
 
@@ -100,8 +101,11 @@ class ModelDrafter(Drafter):
         topk = torch.zeros(B, G, K, dtype=torch.long, device=dev) if K else None  # [B, G, K]
         tau = [s.threshold for s in seqs]
         conf = torch.ones(B, G, device=dev) if any(tau) else None  # [B, G] draft prob of each drafted token
+        pen = DraftPenalties.of(seqs, [self.views[s.seq_id] for s in seqs], self.vocab_size, dev)
         for j in range(G):
             logits = self.runner.logits(last).float()  # [B, R]
+            if pen is not None:  # as the target will score them
+                pen.apply(logits, vmap)
             tok = logits.argmax(-1)  # head rows
             if K:
                 top = logits.topk(min(K, logits.shape[-1]), dim=-1).indices  # [B, K] head rows
@@ -127,6 +131,8 @@ class ModelDrafter(Drafter):
                 conf[:, j] = torch.softmax(logits, -1).gather(1, tok[:, None])[:, 0]
             tok = tok if vmap is None else vmap[tok]  # target token ids
             tokens[:, j] = tok
+            if pen is not None:
+                pen.drafted(tok)
             if j + 1 < G:  # the last draft is proposed, not fed: the target verifies it
                 last = self._advance(s_slots, tok[order], last[order])[inv]
         num_draft = [s.gamma for s in seqs]

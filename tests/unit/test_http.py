@@ -167,7 +167,7 @@ def test_unknown_fields_are_accepted_with_one_warning(served, caplog):
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
                                          ("tool_choice", "required"), ("functions", [{"name": "f"}]),
-                                         ("presence_penalty", 1.0), ("best_of", 2), ("frequency_penalty", 0.5),
+                                         ("min_tokens", 4), ("best_of", 2), ("echo", True),
                                          ("logit_bias", {"5": 10})])
 def test_fields_the_server_cannot_honour_are_refused_by_name(served, field, value):
     verifier, oa = served
@@ -189,6 +189,12 @@ def test_vllm_and_newer_openai_fields_are_honoured(served):
     oa.completions.create(model="tiny", prompt="1 2", max_tokens=7, stop=None, extra_body={"ignore_eos": True})
     req = verifier.requests[-1]
     assert req.sampling.ignore_eos is True and req.sampling.max_tokens == 7 and req.sampling.stop == ()
+    oa.completions.create(model="tiny", prompt="1 2", presence_penalty=0.5, frequency_penalty=-0.25,
+                          extra_body={"repetition_penalty": 1.2})
+    assert verifier.requests[-1].sampling.penalties == (0.5, -0.25, 1.2)
+    with pytest.raises(openai.BadRequestError) as e:  # out of range: the router's message names the field
+        oa.completions.create(model="tiny", prompt="1 2", frequency_penalty=2.5)
+    assert "frequency_penalty must be in [-2, 2]" in e.value.body["message"]
     chat = ChatBody(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, max_completion_tokens=9)
     assert chat.request_args()["sampling"].max_tokens == 9  # OpenAI's newer name wins
     chunks = list(oa.completions.create(model="tiny", prompt="1 2", stream=True,

@@ -235,6 +235,16 @@ def test_wire_conversion_keeps_presence(router):
     assert req.sampling.ignore_eos is False
     req = asyncio.run(router.request(**request_from_proto(build_request(prompt="4 5 6", ignore_eos=True))))
     assert req.sampling.ignore_eos is True  # vLLM's ignore_eos crosses the wire
+    req = asyncio.run(router.request(**request_from_proto(build_request(
+        prompt="4 5 6", presence_penalty=0.5, frequency_penalty=-0.1, repetition_penalty=1.1))))
+    assert req.sampling.penalties == (0.5, -0.1, 1.1)
+    # a penalty changes the output: coalescing keys on it
+    plain = asyncio.run(router.request(**request_from_proto(build_request(prompt="4 5 6"))))
+    assert router._coalesce_key(req) != router._coalesce_key(plain)
+    with pytest.raises(RouterError) as ei:
+        generate(router, build_request(prompt="4 5 6", repetition_penalty=0.0))
+    assert ei.value.status == Status.INVALID_ARGUMENT
+    assert ei.value.message == "sampling.repetition_penalty must be in (0, 10.0], got 0.0"
 
 
 def test_health_is_not_serving_until_a_verifier_answers(router):
