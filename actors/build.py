@@ -3,6 +3,8 @@
 Draft specs (one name space for the CLI, the bench and, later, the cluster config):
   "none"           speculation off
   "ngram[:N]"      prompt lookup with n-grams of N (default 3) down to 1 tokens; "ngram:MIN-MAX" bounds both
+  "suffix[:K=V,..]" suffix decoding over the request and past outputs (drafters/suffix.py); options
+                   scope=global|per_token|per_request, depth, factor, offset, min_prob, requests, mb
   "truncated:K"    the target's first K layers + its final norm and LM head (shared weights)
   PATH             a separate draft model: any local Hugging Face llama-family directory, or a
                    checkpoint written by `specd distill` (EAGLE head, trained truncated or small model)
@@ -20,7 +22,7 @@ import torch
 
 from . import cpu
 from .calibrate import TOKENS, PassCost, calibrated, choose_dtype
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from .drafters.base import KV_HEADROOM
 from .engine import SpecEngine
 from .hardware import hardware
@@ -83,11 +85,13 @@ def draft_meta(spec: str, target_name: str = EMBEDDED_NAME) -> dict | None:
 
 
 def draft_kind(spec: str, target_name: str = EMBEDDED_NAME) -> str:
-    """"ngram", "truncated", "eagle" or "model": what a draft spec is beside this target, without
+    """"ngram", "suffix", "truncated", "eagle" or "model": what a draft spec is beside this target, without
     loading it."""
     spec = for_target(spec, target_name)
     if spec == "ngram" or spec.startswith("ngram:"):
         return "ngram"
+    if is_suffix(spec):
+        return "suffix"
     if spec.startswith("truncated:"):
         return "truncated"
     meta = draft_meta(spec, target_name)
@@ -167,12 +171,38 @@ def ngram_drafter(spec: str) -> NgramDrafter:
             from None
 
 
+def is_suffix(spec: str) -> bool:
+    return spec == "suffix" or spec.startswith("suffix:")
+
+
+SUFFIX_OPTIONS = {"scope": ("scope", str), "depth": ("max_depth", int), "factor": ("max_spec_factor", float),
+                  "offset": ("max_spec_offset", float), "min_prob": ("min_token_prob", float),
+                  "requests": ("max_cached_requests", int), "mb": ("max_cache_bytes", lambda v: int(float(v) * 2 ** 20))}
+
+
+def suffix_drafter(spec: str) -> SuffixDrafter:
+    """"suffix" or "suffix:K=V,...", K among SUFFIX_OPTIONS (e.g. "suffix:scope=per_token,factor=2,mb=32")."""
+    kw = {}
+    for item in filter(None, spec.partition(":")[2].split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or k not in SUFFIX_OPTIONS:
+            raise ValueError(f"draft {spec!r}: options are K=V with K one of {sorted(SUFFIX_OPTIONS)}, got {item!r}")
+        name, conv = SUFFIX_OPTIONS[k]
+        try:
+            kw[name] = conv(v)
+        except ValueError:
+            raise ValueError(f"draft {spec!r}: {k} needs a number, got {v!r}") from None
+    return SuffixDrafter(**kw)
+
+
 def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
                  dtype: str | torch.dtype | None = None) -> Drafter | None:
     if spec in ("none", "", None):
         return None
     if spec == "ngram" or spec.startswith("ngram:"):
         return ngram_drafter(spec)
+    if is_suffix(spec):
+        return suffix_drafter(spec)
     if spec.startswith("truncated:"):
         try:
             k = int(spec.split(":", 1)[1])

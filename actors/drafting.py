@@ -181,7 +181,7 @@ def _draft_seq(s: Sequence, gamma: int, features: Features | None, tree: int = 0
     ds = DraftSeq(seq_id=s.key, keep=v.keep, new_tokens=s.tokens[v.keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
                   tree=tree, threshold=s.req.speculation.threshold or 0.0, shadow=shadow,
-                  penalties=p.penalties, output_start=s.num_prompt)
+                  penalties=p.penalties, output_start=s.num_prompt, tenant=s.req.tenant)
     n = None
     if features is not None:
         n = features.length[s.slot]

@@ -116,6 +116,9 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    # Who asked: the router's id of the caller's bearer token ("" without auth). Never from the
+    # request itself; a drafter that learns across requests scopes by it (drafters/suffix.py).
+    tenant: str = ""
 
     @property
     def draft(self) -> str | None:

@@ -110,7 +110,7 @@ class DeploymentSpec(_Strict):
 
 class DraftConfig(DeploymentSpec):
     """One draft. `spec` uses the engine's draft names (`actors.build`): ngram[:N] or ngram:MIN-MAX,
-    truncated:K, `default` (the head shipped for the target; n-gram where none ships), or a draft
+    suffix[:K=V,...] (scope=per_token is added when `auth` is on and the spec names no scope), truncated:K, `default` (the head shipped for the target; n-gram where none ships), or a draft
     model's or an EAGLE head's directory or hub id. `placement` says where it runs:
       colocated  inside each verifier replica, on its device: no hop. Right for n-gram (a hop
                  costs more than the lookup) and feature heads (they read the target's hidden
@@ -140,8 +140,9 @@ class DraftConfig(DeploymentSpec):
     def _gamma(self):
         if self.default_gamma != "auto" and not 0 <= self.default_gamma <= MAX_GAMMA:
             raise ValueError(f"default_gamma must be 'auto' or in [0, {MAX_GAMMA}], got {self.default_gamma}")
-        if self.remote and (self.spec == "ngram" or self.spec.startswith("ngram:")):
-            raise ValueError(f"draft {self.name!r}: an n-gram draft runs colocated (a hop costs more than it saves)")
+        if self.remote and (self.spec.partition(":")[0] in ("ngram", "suffix")):
+            raise ValueError(f"draft {self.name!r}: a model-free draft (n-gram, suffix) runs colocated "
+                             "(a hop costs more than it saves)")
         return self
 
 
@@ -180,7 +181,8 @@ class AuthConfig(_Strict):
     """Optional bearer-token authentication of every RPC but the health check. The tokens (one
     per line, or comma-separated; blank lines and lines starting with '#' ignored) come from a
     file or from an environment variable of the router's process; neither set = no
-    authentication. Any accepted token may call every RPC (no per-tenant scoping)."""
+    authentication. Any accepted token may call every RPC; a digest of it is the caller's tenant
+    (`Request.tenant`), which scopes a suffix draft's cache and coalescing."""
     tokens_file: str | None = Field(None, description="file holding the accepted tokens")
     tokens_env: str | None = Field(None, description="environment variable holding the accepted tokens")
 
@@ -308,6 +310,10 @@ class ClusterConfig(_Strict):
         if self.router.default_draft not in (*RESERVED_DRAFTS, *names):
             raise ValueError(f"router.default_draft {self.router.default_draft!r} is not one of "
                              f"{[*RESERVED_DRAFTS, *names]}")
+        if self.auth.tokens_file is not None or self.auth.tokens_env is not None:
+            for d in self.drafts:  # one tenant's outputs never shape another's drafts unless asked
+                if d.spec.partition(":")[0] == "suffix" and "scope=" not in d.spec:
+                    d.spec += ("," if ":" in d.spec else ":") + "scope=per_token"
         if self.router.default_max_tokens > self.router.max_tokens:
             raise ValueError("router.default_max_tokens exceeds router.max_tokens")
         if self.router.max_tokens >= self.max_len:

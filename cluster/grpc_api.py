@@ -41,13 +41,13 @@ class RouterDeployment(Router):
 
     async def _stream(self, pb: specd_pb2.GenerateRequest, grpc_context):
         """Authorize, validate and stream one call: (Delta, coalesced) pairs; RouterError on refusal."""
-        self.authorize(_authorization(grpc_context))
+        tenant = self.authorize(_authorization(grpc_context))
         try:
             fields = request_from_proto(pb)
         except ValueError as e:
             self.counters["requests_total"] += 1
             raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
-        req = await self.request(**fields)
+        req = await self.request(**fields, tenant=tenant)
         remaining = grpc_context.time_remaining() if hasattr(grpc_context, "time_remaining") else None
         async for item in self.generate(req, self.timeout_s(remaining)):
             yield item

@@ -356,7 +356,7 @@ def build_http_app(router: Router) -> FastAPI:
 
     async def serve_body(request: Request, body: _Body, chat: bool):
         try:
-            router.authorize(request.headers.get("authorization"))
+            tenant = router.authorize(request.headers.get("authorization"))
             timeout_s = router.timeout_s(_timeout(request))
         except RouterError as e:
             return _refusal(e)
@@ -381,7 +381,7 @@ def build_http_app(router: Router) -> FastAPI:
         streams, firsts = [], []
         try:  # each first message, or the refusal: validation, admission
             for i in range(n):
-                streams.append(router.generate(await router.request(**body.request_args(i)), timeout_s))
+                streams.append(router.generate(await router.request(**body.request_args(i), tenant=tenant), timeout_s))
                 firsts.append((await anext(streams[-1]))[0])
         except Exception as e:
             for st in streams:

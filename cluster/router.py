@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import hmac
 import json
 import logging
@@ -133,12 +134,13 @@ class Router:
         self.metrics = RouterMetrics(self.cfg.served_name)
 
     # ---- access control ----------------------------------------------------------------------------
-    def authorize(self, authorization: str | None) -> None:
+    def authorize(self, authorization: str | None) -> str:
         """With auth configured: `authorization` (the call's "Bearer <token>", gRPC metadata or HTTP
         header) must carry an accepted token, compared in constant time against every one; else
-        UNAUTHENTICATED."""
+        UNAUTHENTICATED. Returns the caller's tenant (`Request.tenant`): a digest of its token, never
+        the token; "" without auth."""
         if not self._tokens:
-            return
+            return ""
         scheme, _, given = (authorization or "").partition(" ")
         ok = False
         for t in self._tokens:  # no early exit: the time taken does not depend on which matched
@@ -146,6 +148,7 @@ class Router:
         if scheme.lower() != "bearer" or not ok:
             raise RouterError(Status.UNAUTHENTICATED, "missing or invalid bearer token "
                                                       "(metadata 'authorization: Bearer <token>')")
+        return hashlib.sha256(given.strip().encode()).hexdigest()[:16]
 
     # ---- validation --------------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
@@ -172,13 +175,13 @@ class Router:
         return encode_prompt(self.tokenizer, messages=list(messages))
 
     async def request(self, request_id: str, sampling: SamplingParams, speculation: SpeculationParams,
-                      **source) -> Request:
+                      tenant: str = "", **source) -> Request:
         """The validated request (server defaults applied to what is unset: None) for an input
-        (`encode`'s keywords); INVALID_ARGUMENT names the field and the limit."""
+        (`encode`'s keywords) from `tenant` (`authorize`); INVALID_ARGUMENT names the field and the limit."""
         self.counters["requests_total"] += 1
         try:
             ids = await asyncio.to_thread(self.encode, **source)
-            req = validate(Request(request_id or uuid.uuid4().hex, ids, sampling, speculation), self.limits)
+            req = validate(Request(request_id or uuid.uuid4().hex, ids, sampling, speculation, tenant), self.limits)
             if req.sampling.grammar is not None:  # a grammar that cannot compile is refused here, by name
                 await asyncio.to_thread(self.grammars.check, *req.sampling.grammar)
             return req
@@ -193,8 +196,9 @@ class Router:
     def _coalesce_key(req: Request) -> str | None:
         if not req.sampling.greedy and req.sampling.seed is None:
             return None  # unseeded sampling: each caller is owed its own draw
-        return json.dumps([req.prompt_ids, asdict(req.sampling), asdict(req.speculation)], sort_keys=True,
-                          default=list)
+        # (per tenant: a coalesced answer's speed would tell one tenant what another asked)
+        return json.dumps([req.tenant, req.prompt_ids, asdict(req.sampling), asdict(req.speculation)],
+                          sort_keys=True, default=list)
 
     def token_text(self, token: int) -> str:
         """One token as text (for logprobs), as vLLM shows it: the tokenizer's decoding of that token

@@ -26,8 +26,7 @@ def sampling_from_proto(s: specd_pb2.SamplingParams) -> SamplingParams:
         early_stopping=s.early_stopping if s.HasField("early_stopping") else False, ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         grammar=(s.grammar.kind, s.grammar.spec) if s.HasField("grammar") else None,
-        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
-        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0)
 
 

@@ -44,6 +44,9 @@ class DraftSeq:
     # the target will (better acceptance; losslessness never depends on it). None: none.
     penalties: tuple[float, float, float] | None = None
     output_start: int = 0
+    # Who asked (`schema.Request.tenant`): a drafter that learns across requests (suffix) keeps
+    # what one tenant generated from another's drafts when its scope says so.
+    tenant: str = ""
     # Propose a token tree of at most `tree` nodes and depth `gamma` instead of a chain (0: a
     # chain). A drafter that cannot draft trees proposes a chain (Proposal.parents None).
     tree: int = 0

@@ -91,7 +91,8 @@ def test_stubs_are_package_qualified_and_service_shape():
         return {f.name for f in msg.DESCRIPTOR.fields if f.has_presence and f.message_type is None
                 and (f.containing_oneof is None or f.containing_oneof.name.startswith("_"))}
     assert optional(specd_pb2.SamplingParams) == {"max_tokens", "temperature", "top_p", "seed", "num_beams",
-                                                  "length_penalty", "early_stopping", "logprobs"}
+                                                  "length_penalty", "early_stopping", "logprobs",
+                                                  "repetition_penalty"}
     assert optional(specd_pb2.SpeculationParams) == {"gamma", "threshold", "entropy_gate", "tree"}
     assert specd_pb2.SamplingParams.DESCRIPTOR.fields_by_name["seed"].type == \
         specd_pb2.SamplingParams.DESCRIPTOR.fields_by_name["seed"].TYPE_UINT64
