@@ -1,9 +1,10 @@
 """The speculative-decoding engine: a continuous batch of sequences, one target pass per step.
 
 Each `step()`:
-  1. admits waiting requests into free KV slots, and prefills prompts in chunks under a
-     per-step token budget (`prefill_chunk`), so running streams keep decoding while a
-     long prompt is admitted; a prompt's last chunk commits its first token;
+  1. admits waiting requests into free KV slots (a cached prefix's slot may already hold a
+     prompt's first tokens: `prefix_cache`), and prefills prompts in chunks under a per-step
+     token budget (`prefill_chunk`), so running streams keep decoding while a long prompt is
+     admitted; a prompt's last chunk commits its first token;
   2. drafts: `launch_drafts` asks each decoding sequence's drafter for up to γ tokens
      (`drafting.launch`), and `drafting.gather` turns the answers into a `VerifyBatch`;
   3. verifies: `verify(batch)` scores every row's [last committed token, drafts...] in ONE
@@ -41,6 +42,7 @@ from .penalties import Penalties
 from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .pipeline import MicroBatches
+from .prefix_cache import PrefixCache
 from .policy import DraftSelector, SpeculationPolicy
 from .sampling import new_generator
 from .schema import AUTO, AUTO_DRAFT, Completion, Delta, Limits, Request, SpecStats, validate
@@ -62,14 +64,15 @@ class SpecEngine:
                  tokenizer=None, eos_token_ids: set[int] | None = None,
                  max_batch: int = 8, max_len: int = 2048, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
-                 pass_cost: PassCost | None = None):
+                 pass_cost: PassCost | None = None, prefix_cache: bool = True):
         """max_len: context (prompt + output) per sequence.
         seq_id_base: first sequence key (keys must be distinct per engine on shared drafters).
         pipeline: overlap asynchronous drafters with target passes over two micro-batches.
         prefill_chunk: prompt tokens prefilled per step, over all admitted prompts.
         default_gamma: γ per drafter name for requests that leave it unset ("auto" unless given).
         pass_cost: the target's calibrated pass cost (calibrate.calibrated); measured here when
-        absent and there are drafters (the speculation policy needs it)."""
+        absent and there are drafters (the speculation policy needs it).
+        prefix_cache: keep finished sequences' KV for later prompts that share a prefix (prefix_cache.py)."""
         self.target = target
         self.drafters = dict(drafters or {})
         self.tokenizer = tokenizer
@@ -103,6 +106,7 @@ class SpecEngine:
         self.features = feature_union(self.drafters.values())
         self.feature_store = (Features(self.features, max_batch, max_len + KV_HEADROOM, target.hidden_size,
                                        target.dtype, target.device) if self.features else None)
+        self.prefix = PrefixCache(self.cache, self.feature_store, on=prefix_cache)
         self.micro = MicroBatches(on=pipeline)
         self._out: dict[int, Delta] = {}  # this step's deltas, by key
         self.grammars = Grammars(tokenizer, target.vocab_size)  # structured output
@@ -137,8 +141,7 @@ class SpecEngine:
         """What the steps read about the drafters, derived once when they change: which draft
         trees, each feature drafter's columns of the features, and the draft "auto" selector."""
         self.tree_drafters = {n for n, d in self.drafters.items() if d.tree_drafting}
-        width = self.target.hidden_size
-        self.feature_cols = {n: feature_columns(self.features, d.feature_layers, width, self.device)
+        self.feature_cols = {n: feature_columns(self.features, d.feature_layers, self.target.hidden_size, self.device)
                              for n, d in self.drafters.items() if d.wants_hidden}
         self.selector = DraftSelector(sorted(self.drafters), self.policy)
 
@@ -148,8 +151,7 @@ class SpecEngine:
         req = validate(req, self.limits)
         if req.sampling.grammar is not None:
             self.grammars.check(*req.sampling.grammar)
-        key = self._next_key
-        self._next_key += 1
+        key, self._next_key = self._next_key, self._next_key + 1
         self.waiting.append((key, req))
         return key
 
@@ -173,7 +175,8 @@ class SpecEngine:
         return len(self.waiting)
 
     def kv_slots_in_use(self) -> int:
-        return self.max_batch - len(self.free_slots)
+        """Slots of running sequences (not those holding cached prefixes: admission takes them)."""
+        return self.max_batch - len(self.free_slots) - self.prefix.slots
 
     def warm(self) -> int:
         """Compile the target's and the local drafters' kernels for every shape they will meet
@@ -212,25 +215,26 @@ class SpecEngine:
     def _admit(self) -> None:
         """Admit waiting requests in order while there are KV slots: one per sequence, B for a
         beam request (the first that does not fit waits, and so does everything behind it)."""
-        while self.waiting and len(self.free_slots) >= self.waiting[0][1].sampling.num_beams:
+        while self.waiting and len(self.free_slots) + self.prefix.slots >= self.waiting[0][1].sampling.num_beams:
             key, req = self.waiting.popleft()
             p = req.sampling
             seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(7), "little")
             text = TextStream(self.tokenizer, req.prompt_ids, p.stop) if self.tokenizer is not None else None
             draft = self.selector.initial(key) if req.draft == AUTO_DRAFT else req.draft
-            self.active[key] = s = Sequence(key=key, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
+            slot, cached = self.prefix.take(req.prompt_ids, self.free_slots)  # cached: prompt tokens in its KV
+            self.active[key] = s = Sequence(key=key, req=req, slot=slot, tokens=list(req.prompt_ids), prefilled=cached,
                                             num_prompt=len(req.prompt_ids), seed=seed,
                                             gen=new_generator(self.device).manual_seed(seed), text=text,
-                                            mode=mode_of(req), draft=draft)
-            if p.grammar is not None:
-                s.constraint = self.grammars.constraint(*p.grammar)
-            s.penalties = Penalties.of(p.penalties, req.prompt_ids, self.target.vocab_size, self.device)
+                                            mode=mode_of(req), draft=draft,
+                                            constraint=self.grammars.constraint(*p.grammar) if p.grammar else None,
+                                            penalties=Penalties.of(p.penalties, req.prompt_ids,
+                                                                   self.target.vocab_size, self.device))
             if p.num_beams > 1:
                 # The other members hold their slots from now on, and get the prompt's KV once it is
                 # prefilled (`_beam_start`). Their keys (for the drafters) come from the same counter.
-                others = [Sequence(key=self._next_key + i, req=req, slot=self.free_slots.pop(0), tokens=list(req.prompt_ids),
-                                   num_prompt=len(req.prompt_ids), seed=seed, gen=s.gen, text=None, mode=s.mode,
-                                   draft=draft)
+                others = [Sequence(key=self._next_key + i, req=req, slot=self.prefix.take(None, self.free_slots)[0],
+                                   tokens=list(req.prompt_ids), num_prompt=len(req.prompt_ids), seed=seed, gen=s.gen,
+                                   text=None, mode=s.mode, draft=draft)
                           for i in range(p.num_beams - 1)]
                 self._next_key += p.num_beams - 1
                 eos = set() if p.ignore_eos else self.eos
@@ -348,8 +352,7 @@ class SpecEngine:
             for name, rows, sec in fl.group_s:
                 tree_rows = [b for b in rows if b in fl.parents]
                 if tree_rows:
-                    nodes = max(len(fl.drafts[b]) for b in tree_rows)
-                    self.policy.observe_tree_time(name, nodes, len(tree_rows), sec)
+                    self.policy.observe_tree_time(name, max(len(fl.drafts[b]) for b in tree_rows), len(tree_rows), sec)
                     continue
                 self.policy.observe_draft_time(name, max((len(fl.drafts[b]) for b in rows), default=0), sec)
                 if fl.shadow and all(fl.shadow[b] for b in rows):
@@ -534,11 +537,10 @@ class SpecEngine:
     def _finish(self, s: Sequence, reason: str) -> None:
         s.finish_reason = reason
         self.active.pop(s.key, None)
-        for m in s.beam.members if s.beam is not None else [s]:  # a beam request frees every member
-            self.cache.free(m.slot)
-            if self.feature_store is not None:
-                self.feature_store.clear(m.slot)
-            self.free_slots.append(m.slot)
+        cacheable = s.beam is None and reason != "abort"  # a beam's or an aborted request's KV is freed
+        for m in s.beam.members if s.beam is not None else [s]:
+            if not self.prefix.release(m.slot, m.tokens[:self.cache.lengths[m.slot]] if cacheable else None):
+                self.free_slots.append(m.slot)
             if m.draft is not None:
                 self.drafters[m.draft].release(m.key)
         self.free_slots.sort()

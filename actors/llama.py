@@ -132,6 +132,12 @@ class KVCache:
         self.k[:, slot, dst] = self.k[:, slot, idx]
         self.v[:, slot, dst] = self.v[:, slot, idx]
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot dst becomes src's first n positions, for every layer (prefix caching)."""
+        self.k[:, dst, :n] = self.k[:, src, :n]
+        self.v[:, dst, :n] = self.v[:, src, :n]
+        self.lengths[dst] = n
+
     def fork(self, src: int, dst: int, prefix: int, tail: list[int]) -> None:
         """Copy-on-fork (a beam that splits): slot dst becomes src's first `prefix` positions
         followed by src's positions prefix + tail[i], for every layer."""

@@ -154,6 +154,8 @@ class VerifierConfig(DeploymentSpec):
     compile: bool = Field(False, description="torch.compile the target's layer math (cached on disk; opt-in)")
     quant: QuantMode = Field("none", description="int8 mode of the target's weights (actors/quant.py). LOSSY: the "
                              "output differs from the unquantized target's; `specd quant` measures by how much")
+    prefix_cache: bool = Field(True, description="keep finished sequences' KV slots on an LRU: a prompt that shares "
+                               "a prefix with one starts from its KV (actors/prefix_cache.py); greedy output unchanged")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "
                                "prefill: running streams keep decoding while a long prompt is admitted)")
     tune_profile: str | None = Field(None, description="a `specd tune` profile file (or a directory of them) "

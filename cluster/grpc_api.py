@@ -101,7 +101,8 @@ class RouterDeployment(Router):
                                  dtype=v["engine"].get("dtype", ""), dtype_reason=v["engine"].get("dtype_reason", ""),
                                  hardware=hardware_line(v["engine"].get("hardware", {})),
                                  prepacked=bool(v["engine"].get("prepacked")),
-                                 cpu_paths=v["engine"].get("cpu_paths", {}))
+                                 cpu_paths=v["engine"].get("cpu_paths", {}),
+                                 **{f"prefix_cache_{k}": n for k, n in v.get("prefix_cache", {}).items()})
             for name, st in ((v.get("policy") or {}).get("drafters") or {}).items():
                 rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],
                                acceptance=st["accept_curve"], steps=st["steps"],

@@ -27,7 +27,8 @@ position j (what a response's `acceptance_per_position` holds):
 Who records what:
   Verifier  speculation and token counters, once per request, when it finishes (a request
             aborted or cancelled midway is not counted); requests running and waiting, the
-            target's and colocated drafts' KV in use, γ per draft, the target's dtype.
+            target's and colocated drafts' KV in use, γ per draft, the target's dtype; prefix
+            cache queries and hits (prompt tokens, vLLM's prefix_cache_queries / _hits).
   Router    latency histograms, per caller (a coalesced caller too), admission rejections,
             coalesced requests.
   Draft-*   the remote draft's KV in use, per replica.
@@ -102,6 +103,11 @@ class VerifierMetrics:
         self.gamma = gauge("spec_decode_gamma", "The speculation policy's current gamma per draft (0 = off)")
         self.dtype = gauge("model_dtype_info", "1, labelled with the target's dtype (draft label 'none')", "dtype")
         self.dtype_tags = {"draft": NO_DRAFT, "dtype": dtype}
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(draft label 'none')")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache: not prefilled "
+                                   "again (draft label 'none')")
+        self._prefix = (0, 0)  # the totals last exported
         self._last: tuple | None = None
         self._sent = 0.0  # when the gauges were last sent
 
@@ -143,6 +149,15 @@ class VerifierMetrics:
             self.draft_kv.set(used, {"draft": d})
         for d, g in gamma.items():
             self.gamma.set(g, {"draft": d})
+
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """The prefix cache's totals (tokens looked up, found) since the replica started."""
+        q0, h0 = self._prefix
+        for counter, value in ((self.prefix_queries, queries - q0), (self.prefix_hits, hits - h0)):
+            if value:
+                counter.inc(value, {"draft": NO_DRAFT})
+        self._prefix = (queries, hits)
 
 
 class DraftMetrics:

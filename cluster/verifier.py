@@ -98,6 +98,7 @@ class VerifierServer:
                              default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
+        self.engine.prefix.on = v.prefix_cache
         log.info("verifier: target %s in %s (%s)", cfg.model, built.dtype, built.dtype_reason)
         self.replica = replica_id()
         self.node = node_id()
@@ -170,6 +171,7 @@ class VerifierServer:
                 "active_sequences": eng.kv_slots_in_use(), "queued": eng.num_waiting(),
                 "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.steps,
                 "spec": eng.stats.to_dict(), "pipeline": eng.pipeline, "batcher": eng.batcher.to_dict(),
+                "prefix_cache": eng.prefix.counts(),
                 "engine": eng.info, "policy": eng.policy.state() if eng.policy is not None else None,
                 "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
                                   if isinstance(d, RemoteDrafter)}}
@@ -193,6 +195,7 @@ class VerifierServer:
         draft_kv = {name: used / total for name, (used, total) in self._colocated_kv().items()}
         gamma = {name: e.gamma for name, e in eng.policy.est.items()} if eng.policy is not None else {}
         self.metrics.load(running, waiting, slots, eng.max_batch, draft_kv, gamma)
+        self.metrics.prefix_cache(eng.prefix.queries, eng.prefix.hits)
 
     @staticmethod
     def _deliver(t: _Ticket, item) -> None:

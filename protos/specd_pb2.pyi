@@ -229,7 +229,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths")
+    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_requests", "prefix_cache_hit_requests", "prefix_cache_slots")
     class CpuPathsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,11 @@ class ReplicaStats(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREPACKED_FIELD_NUMBER: _ClassVar[int]
     CPU_PATHS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     active_sequences: int
@@ -259,7 +264,12 @@ class ReplicaStats(_message.Message):
     policy: _containers.RepeatedCompositeFieldContainer[DraftPolicy]
     prepacked: bool
     cpu_paths: _containers.ScalarMap[str, str]
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_requests: int
+    prefix_cache_hit_requests: int
+    prefix_cache_slots: int
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_requests: _Optional[int] = ..., prefix_cache_hit_requests: _Optional[int] = ..., prefix_cache_slots: _Optional[int] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
     __slots__ = ("draft", "gamma", "speculated_share", "acceptance", "steps", "speculated_steps")
