@@ -77,6 +77,16 @@ class DraftDeployment:
         return {**self.core.stats(), "node_id": self.node}
 
 
+def _verifier_routing(v) -> RequestRouterConfig:
+    """Pinned calls always; generations by prompt prefix (the prefix tree bounded: 1 M tokens) or by
+    Serve's default choice."""
+    if v.routing == "power_of_two":
+        return RequestRouterConfig(request_router_class="cluster.routing.PinnedRouter")
+    return RequestRouterConfig(request_router_class="cluster.routing.PrefixRouter", request_router_kwargs={
+        "imbalanced_threshold": v.prefix_imbalance, "do_eviction": True, "eviction_threshold_chars": 1_000_000,
+        "eviction_target_chars": 800_000})
+
+
 def build_app(cfg: ClusterConfig):
     raw = cfg.model_dump(mode="json")
     drafts = {}
@@ -92,7 +102,7 @@ def build_app(cfg: ClusterConfig):
     verifier = serve.deployment(VerifierServer).options(
         **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls
-                   request_router_config=RequestRouterConfig(request_router_class="cluster.routing.PinnedRouter"))
+                   request_router_config=_verifier_routing(cfg.verifier))
     ).bind(raw, drafts)
     # Serve's late-bound ingress: the replica builds its FastAPI app (RouterDeployment.__serve_build_asgi_app__)
     # once constructed; gRPC calls still reach the RPC methods by name.

@@ -154,6 +154,12 @@ class VerifierConfig(DeploymentSpec):
     compile: bool = Field(False, description="torch.compile the target's layer math (cached on disk; opt-in)")
     quant: QuantMode = Field("none", description="int8 mode of the target's weights (actors/quant.py). LOSSY: the "
                              "output differs from the unquantized target's; `specd quant` measures by how much")
+    routing: Literal["prefix", "power_of_two"] = Field("prefix", description="which replica a generation goes to: "
+                                                      "'prefix' (where its tenant's prompt prefix went before, while "
+                                                      "loads allow: cluster.routing.PrefixRouter) or Serve's "
+                                                      "power-of-two choices")
+    prefix_imbalance: int = Field(4, ge=0, description="prefix routing: follow the prefix only while the replicas' "
+                                  "queues differ by at most this many requests; else the less loaded of two")
     prefix_cache: bool = Field(True, description="keep finished sequences' KV slots on an LRU: a prompt that shares "
                                "a prefix with one starts from its KV (actors/prefix_cache.py); greedy output unchanged")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per batcher step (chunked "

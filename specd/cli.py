@@ -150,6 +150,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="--local: only the structured-output workload (three JSON schemas, greedy) with and without "
                         "its grammar, speculation off and on per --draft (default ngram, default), at --batch-sizes; "
                         "writes out/bench_structured.json (specd/bench/structured.py)")
+    b.add_argument("--agent", action="store_true",
+                   help="--local: only suffix decoding against n-gram and speculation off (--draft, default ngram "
+                        "and suffix; γ auto) on the agent-like multi-turn sessions, the repetitive and the chat "
+                        "prompts at --batch-sizes, and the prefix cache's TTFT on long later turns; median of "
+                        "--rounds (default 3); writes out/bench_agent.json (specd/bench/agent.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -164,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", default=None, help="the target: a model directory, a hub id 'org/name[@revision]', "
                                                   "'smollm2' or 'tiny' (overrides the config's)")
     sv.add_argument("--draft", action="append", default=None, metavar="NAME=SPEC",
-                    help="a colocated draft (repeatable; replaces the config's drafts): SPEC is ngram[:N], "
+                    help="a colocated draft (repeatable; replaces the config's drafts): SPEC is ngram[:N], suffix[:K=V,..], "
                          "truncated:K, default, a directory or hub id (a draft model or an EAGLE head); NAME= "
                          "may be left out (the spec names it)")
     sv.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -377,6 +382,10 @@ def _bench(args) -> int:
         from .bench import structured
 
         return structured.main(args)
+    if args.agent:
+        from .bench import agent
+
+        return agent.main(args)
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens

@@ -150,6 +150,13 @@ class ReplicaStats:
     prepacked: bool = False  # verifiers on a CPU: the target's weights in oneDNN's prepacked layout
     # verifiers on a CPU: each optional fast path's trial at load, "ok" or why it is unavailable
     cpu_paths: dict[str, str] = field(default_factory=dict)
+    # verifiers: the prefix cache since the replica started (vLLM's counters: prompt tokens looked
+    # up, and found in cached KV), requests looked up and served from it, and slots holding it now
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_requests: int = 0
+    prefix_cache_hit_requests: int = 0
+    prefix_cache_slots: int = 0
 
 
 @dataclass
@@ -251,7 +258,9 @@ def _stats(r: specd_pb2.StatsResponse) -> Stats:
                                         {p.draft: {"gamma": p.gamma, "speculated_share": p.speculated_share,
                                                    "acceptance": list(p.acceptance), "steps": p.steps,
                                                    "speculated_steps": p.speculated_steps} for p in x.policy},
-                                        x.prepacked, dict(x.cpu_paths))
+                                        x.prepacked, dict(x.cpu_paths), x.prefix_cache_queries,
+                                        x.prefix_cache_hits, x.prefix_cache_requests, x.prefix_cache_hit_requests,
+                                        x.prefix_cache_slots)
                            for x in r.replicas],
                  uptime_seconds=r.uptime_seconds, failovers_total=r.failovers_total)
 

@@ -120,6 +120,27 @@ def test_pinned_routing_keeps_each_sequence_on_its_draft_replica(nodes):
     assert len(calls) == 2 and all(n > 0 for n in calls.values())
 
 
+def test_prefix_routing_keeps_a_conversation_on_one_replica(nodes):
+    """cluster/routing.py's PrefixRouter: the turns of a conversation (each prompt extends the last
+    one with its answer) all go to one verifier replica, whose prefix cache serves them. (Serve's
+    default choice would spread six turns over both replicas with probability 31/32.)"""
+    addr, _, _ = nodes
+    with SpecdClient(addr, timeout=60, token=TOKEN) as client:
+        def per_replica() -> dict:
+            return {r.replica_id: (r.prefix_cache_requests, r.prefix_cache_hits)
+                    for r in client.stats().replicas if r.role == "verifier"}
+        before = per_replica()
+        prompt = " ".join(str(i) for i in range(40, 80))
+        for turn in range(6):
+            r = client.generate(prompt=prompt, max_tokens=8, gamma=0)
+            prompt += " " + " ".join(map(str, r.token_ids)) + f" {turn + 3} {turn + 4}"
+        after = per_replica()
+    served = {k: after[k][0] - before[k][0] for k in after}
+    assert sorted(served.values()) == [0, 6], served
+    home = max(served, key=served.get)
+    assert after[home][1] - before[home][1] >= 5 * 40  # each later turn reused at least the first 40 tokens
+
+
 def test_stats_load_and_abort_reach_every_verifier_replica(nodes):
     """GetStats and GetLoad list both verifier replicas (and GetStats both draft replicas), each
     once; with streams running on both verifier replicas, one Abort ends every one of them."""
