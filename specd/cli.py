@@ -155,6 +155,11 @@ def _parser() -> argparse.ArgumentParser:
                         "and suffix; γ auto) on the agent-like multi-turn sessions, the repetitive and the chat "
                         "prompts at --batch-sizes, and the prefix cache's TTFT on long later turns; median of "
                         "--rounds (default 3); writes out/bench_agent.json (specd/bench/agent.py)")
+    b.add_argument("--routing", action="store_true",
+                   help="--serve: prefix-aware routing against Serve's power-of-two choices on a local cluster "
+                        "with two verifier replicas (a fresh one per routing and round), the agent-like sessions at "
+                        "--concurrency (default 4,16), draft --draft (default suffix); median of --rounds (default "
+                        "3); writes out/bench_routing.json (specd/bench/routing.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -362,6 +367,10 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.serve and args.routing:
+        from .bench import routing
+
+        return routing.main(args)
     if args.address or args.serve:
         from .bench import cluster as bench_cluster
 

@@ -8,9 +8,7 @@ summaries quoting their source, extraction).
 """
 from __future__ import annotations
 
-import torch
-
-from .base import Drafter, DraftSeq, Proposal, apply_view
+from .base import Drafter, DraftSeq, Proposal, RowDraft, apply_view
 
 
 class NgramDrafter(Drafter):
@@ -40,12 +38,8 @@ class NgramDrafter(Drafter):
             rows.append(r)
             parents.append(None)
             view.extend(r)  # the view includes the proposals; the next `keep` says how many survived
-        width = max((len(r) for r in rows), default=0)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, :len(r)] = torch.tensor(r, dtype=torch.long)
-        return Proposal(tokens=tokens, num_draft=[len(r) for r in rows], probs=None,
-                        parents=parents if any(p is not None for p in parents) else None)
+        return Proposal.stack([RowDraft(r, parents=p) for r, p in zip(rows, parents)],
+                              max((len(r) for r in rows), default=0))
 
     def lookup_tree(self, tokens: list[int], depth: int, budget: int, matches: int = 8) -> tuple[list[int], list[int]]:
         """The continuations of up to `matches` earlier occurrences of the longest matching suffix

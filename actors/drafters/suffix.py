@@ -32,9 +32,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-import torch
-
-from .base import Drafter, DraftSeq, Proposal, apply_view
+from .base import Drafter, DraftSeq, Proposal, RowDraft, apply_view
 
 SCOPES = ("global", "per_token", "per_request")
 MAX_N = 3  # longest n-gram indexed
@@ -172,12 +170,8 @@ class SuffixDrafter(Drafter):
             parents.append(par)
             if par is None:
                 view.extend(toks)  # the view includes the chain; the next `keep` says how many survived
-        width = max((len(r) for r in rows), default=0)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, :len(r)] = torch.tensor(r, dtype=torch.long)
-        return Proposal(tokens=tokens, num_draft=[len(r) for r in rows], probs=None,
-                        parents=parents if any(p is not None for p in parents) else None)
+        return Proposal.stack([RowDraft(r, parents=p) for r, p in zip(rows, parents)],
+                              max((len(r) for r in rows), default=0))
 
     def _matches(self, seq_id: int, ctx: list[int]) -> tuple[int, list[tuple[TokenIndex, int, int]]]:
         """The longest match length m of the context's suffix and its occurrences (index, doc, end)."""

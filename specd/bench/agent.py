@@ -10,8 +10,9 @@ emptied and a suffix draft's cache of past outputs starts empty, so every run se
 Per set, batch and configuration, the median over rounds of: tokens/s and its ratio to off in the
 same round, acceptance α, tokens per target pass, and the policy's share of speculated steps.
 
-TTFT: the agent sessions at batch 1, speculation off, replayed with the prefix cache on and off
-(interleaved per round); the first-token latency of every turn whose prompt holds at least
+TTFT: conversations of two agent sessions back to back (ten turns, so the later turns re-send a
+history of over `long_prompt` tokens), at batch 1, speculation off, replayed with the prefix cache on
+and off (interleaved per round); the first-token latency of every turn whose prompt holds at least
 `long_prompt` tokens, median over turns and rounds, and the ratio off / on.
 Writes JSON, a table, and a PNG.
 """
@@ -97,7 +98,8 @@ def _run(eng, tok, workload, draft: str, batch: int, max_tokens: int, gamma: int
 
 def agent_bench(model: str = "smollm2", drafts=("ngram", "suffix"), dtype: str = "auto", batches=(1, 8),
                 max_tokens: int = 96, rounds: int = 3, sessions: int = 3, prompts: int = 6,
-                long_prompt: int = 1000, progress: bool = True) -> dict:
+                long_prompt: int = 1000, speed: bool = True, ttft: bool = True, progress: bool = True) -> dict:
+    """speed / ttft: run the draft comparison / the prefix cache's TTFT part."""
     import torch
     from tqdm import tqdm
 
@@ -110,23 +112,26 @@ def agent_bench(model: str = "smollm2", drafts=("ngram", "suffix"), dtype: str =
             "repetitive": load_prompts(REPETITIVE)[:prompts],
             "chat": [p for p in load_prompts() if p.get("kind") == "chat"][:prompts]}
     configs = ["off", *drafts]
+    pairs = load_sessions(2 * sessions)
+    long_talks = [{"system": a["system"], "turns": a["turns"] + b["turns"]} for a, b in zip(pairs[::2], pairs[1::2])]
     runs: dict = {}
-    ttft: dict = {"on": [], "off": []}
-    bar = tqdm(total=rounds * (len(sets) * len(batches) * len(configs) + 2), desc="agent bench", disable=not progress)
+    firsts: dict = {"on": [], "off": []}
+    bar = tqdm(total=rounds * (speed * len(sets) * len(batches) * len(configs) + 2 * ttft), desc="agent bench",
+               disable=not progress)
     with torch.inference_mode():
         for r in range(rounds):
-            for name, work in sets.items():
+            for name, work in sets.items() if speed else ():
                 for batch in batches:
                     w = work[:sessions] if name == "agent" and batch == 1 else work
                     for cfg in (configs if r % 2 == 0 else configs[::-1]):
                         _empty_caches(eng)
                         runs.setdefault((name, batch, cfg), []).append(_run(eng, tok, w, cfg, batch, max_tokens))
                         bar.update(1)
-            for on in ((True, False) if r % 2 == 0 else (False, True)):  # TTFT of long later turns
+            for on in ((True, False) if r % 2 == 0 else (False, True)) if ttft else ():  # TTFT of long later turns
                 _empty_caches(eng)
                 eng.prefix.on = on
-                a = _run(eng, tok, sets["agent"][:sessions], "off", 1, max_tokens)
-                ttft["on" if on else "off"] += [t for n, t in a["ttft"] if n >= long_prompt]
+                a = _run(eng, tok, long_talks, "off", 1, max_tokens)
+                firsts["on" if on else "off"] += [t for n, t in a["ttft"] if n >= long_prompt]
                 bar.update(1)
             eng.prefix.on = True
     bar.close()
@@ -144,10 +149,10 @@ def agent_bench(model: str = "smollm2", drafts=("ngram", "suffix"), dtype: str =
         ng = next((x for x in rows if x["set"] == row["set"] and x["batch"] == row["batch"] and x["config"] == "ngram"),
                   None)
         row["vs_ngram"] = row["tokens_per_s"] / ng["tokens_per_s"] if ng else None
-    t_on, t_off = (statistics.median(ttft[k]) if ttft[k] else None for k in ("on", "off"))
+    t_on, t_off = (statistics.median(firsts[k]) if firsts[k] else None for k in ("on", "off"))
     return {"model": model, "dtype": eng.info.get("dtype"), "hardware": hardware("cpu"), "rounds": rounds,
             "max_tokens": max_tokens, "sessions": sessions, "prompts": prompts, "rows": rows,
-            "ttft": {"long_prompt": long_prompt, "turns": len(ttft["on"]) // rounds, "on_s": t_on, "off_s": t_off,
+            "ttft": {"long_prompt": long_prompt, "turns": len(firsts["on"]) // rounds, "on_s": t_on, "off_s": t_off,
                      "off_over_on": t_off / t_on if t_on and t_off else None}}
 
 

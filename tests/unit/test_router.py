@@ -334,6 +334,9 @@ def test_bearer_tokens(tiny, tmp_path, monkeypatch):
     ok = build_request(prompt="5 6 7", max_tokens=2)
     for tok in ("tok-a", "tok-b", "tok-c"):
         assert generate(r, ok, Context(metadata=[("authorization", f"Bearer {tok}")]))[-1].finished
+    # each token is its own tenant (a suffix draft's cache scope, coalescing): a digest, never the token
+    tenants = [req.tenant for req, _ in r.verifier.calls[-3:]]
+    assert len(set(tenants)) == 3 and all(t and "tok" not in t for t in tenants)
     for md in ([], [("authorization", "Bearer tok-")], [("authorization", "Basic tok-a")],
                [("authorization", "Bearer # comment")], [("x-token", "tok-a")]):
         with pytest.raises(RouterError) as ei:
