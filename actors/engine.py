@@ -38,12 +38,12 @@ from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Features, Flight, feature_columns, feature_union, gather, launch
 from .grammar import Grammars
-from .penalties import Penalties
 from .llama import LlamaRunner
 from .metrics import BatcherStats
+from .penalties import Penalties
 from .pipeline import MicroBatches
-from .prefix_cache import PrefixCache
 from .policy import DraftSelector, SpeculationPolicy
+from .prefix_cache import PrefixCache
 from .sampling import new_generator
 from .schema import AUTO, AUTO_DRAFT, Completion, Delta, Limits, Request, SpecStats, validate
 from .sequence import Sequence, mode_of
