@@ -36,7 +36,9 @@ def config() -> ClusterConfig:
         "router": {"max_queue": 64, "max_tokens": LONG, "default_max_tokens": SHORT, "coalesce": False,
                    "default_draft": DRAFT},
         # total in flight / target_ongoing_requests = desired replicas: 4 -> 2, 2 long -> 1
-        "verifier": {"max_batch": 8, "graceful_shutdown_timeout_s": 120,
+        # Serve's least-loaded choice, so two long streams started one after the other land on both
+        # replicas (prefix routing would keep them where the load phase's prompts went: test_placement.py)
+        "verifier": {"max_batch": 8, "graceful_shutdown_timeout_s": 120, "routing": "power_of_two",
                      "resources": {"custom": {"large_accel": 1}},
                      "autoscaling": {**FAST, "target_ongoing_requests": N_LONG}},
         "drafts": [{"name": DRAFT, "spec": DRAFT, "placement": "remote", "default_gamma": 4, "max_batch": 32, "resources": {"custom": {"small_accel": 1}},

@@ -82,7 +82,7 @@ def test_repetition_penalty_equals_hf_generate(engine, smollm2, prompt):
     with torch.inference_mode():
         hf = smollm2.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                     repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
-    for draft, gamma, tree in CONFIGS[:3]:
+    for draft, gamma, tree in (CONFIGS[0], CONFIGS[2]):  # off, and an n-gram tree
         assert run(engine, prompt, draft, gamma, tree, n=24, repetition_penalty=1.3).token_ids == hf.tolist()
 
 
