@@ -32,7 +32,7 @@ demo-local: $(STAMP)
 # an AVX2-only CPU (no oneDNN bf16, no prepacked layouts), whatever CPU runs the suite
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) --no-print-directory test-fallbacks
 
 # The unit tests whose code chooses among the CPU paths (dtype, prepacked layout, oneDNN bf16, int8),

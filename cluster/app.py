@@ -79,8 +79,9 @@ class DraftDeployment:
 
 def _verifier_routing(v) -> RequestRouterConfig:
     """Pinned calls always; generations by prompt prefix (the prefix tree bounded: 1 M tokens) or by
-    Serve's default choice."""
-    if v.routing == "power_of_two":
+    Serve's default choice. A pool that never has a second replica skips the prefix tree (its actor
+    calls cost every request a few milliseconds and could not change the choice)."""
+    if v.routing == "power_of_two" or v.autoscaling.max_replicas < 2:
         return RequestRouterConfig(request_router_class="cluster.routing.PinnedRouter")
     return RequestRouterConfig(request_router_class="cluster.routing.PrefixRouter", request_router_kwargs={
         "imbalanced_threshold": v.prefix_imbalance, "do_eviction": True, "eviction_threshold_chars": 1_000_000,

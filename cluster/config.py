@@ -157,7 +157,8 @@ class VerifierConfig(DeploymentSpec):
     routing: Literal["prefix", "power_of_two"] = Field("prefix", description="which replica a generation goes to: "
                                                       "'prefix' (where its tenant's prompt prefix went before, while "
                                                       "loads allow: cluster.routing.PrefixRouter) or Serve's "
-                                                      "power-of-two choices")
+                                                      "power-of-two choices (also whenever autoscaling.max_replicas "
+                                                      "is 1: nothing to choose)")
     prefix_imbalance: int = Field(4, ge=0, description="prefix routing: follow the prefix only while the replicas' "
                                   "queues differ by at most this many requests; else the less loaded of two")
     prefix_cache: bool = Field(True, description="keep finished sequences' KV slots on an LRU: a prompt that shares "
