@@ -92,7 +92,7 @@ def routing_bench(config_path: str, concurrency=(4, 16), rounds: int = 3, max_to
     rows = [{"routing": routing, "concurrency": c,
              **{k: statistics.median(x[k] for x in rs) for k in ("hit_rate", "ttft_p50", "ttft_p99", "tokens_per_s")}}
             for (routing, c), rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
-    return {"config": config_path, "draft": draft, "hardware": hardware("cpu"), "rounds": rounds,
+    return {"config": str(config_path), "draft": draft, "hardware": hardware("cpu"), "rounds": rounds,
             "max_tokens": max_tokens, "rows": rows}
 
 
@@ -114,11 +114,11 @@ def main(args) -> int:
     rep = routing_bench(args.config or LOCAL_CONFIG, tuple(int(x) for x in (args.concurrency or "4,16").split(",")),
                         args.rounds or 3, args.max_tokens if args.max_tokens is not None else 64,
                         (args.draft or ["suffix"])[0])
+    text = render(rep)
+    print(text)
     out = Path(args.json_path or "out/bench_routing.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1))
-    text = render(rep)
     out.with_suffix(".txt").write_text(text)
-    print(text)
     print(f"wrote {out} (.txt)")
     return 0
