@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu
+from . import cpu, native
 from .calibrate import TOKENS, PassCost, calibrated, choose_dtype
 from .drafters import Drafter, ModelDrafter, NgramDrafter, SuffixDrafter
 from .drafters.base import KV_HEADROOM
@@ -32,13 +32,14 @@ from .models import (
     EMBEDDED_NAME,
     LoadedModel,
     check_draft_compatible,
+    gguf_source,
     is_hub_id,
     load_model,
     resolve_device,
     resolve_model_path,
     vocab_fingerprint,
 )
-from .schema import PREPACK_CHOICES
+from .schema import PREPACK_CHOICES, WEIGHTS_CHOICES
 from .tune_profile import matching
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
@@ -107,16 +108,23 @@ def draft_mode(spec: str, asked: str = "none") -> str:
     return asked if asked != "none" else (draft_meta(spec) or {}).get("qat", "none")
 
 
-def ready_drafter(drafter: Drafter | None, spec: str, quant: str = "none", prepack: str = "auto") -> Drafter | None:
+def ready_drafter(drafter: Drafter | None, spec: str, quant: str = "none", layout: str = "auto",
+                  gguf: Path | None = None) -> Drafter | None:
     """A drafter as it serves: in its int8 mode (`draft_mode`), then, for whatever int8 left
-    dense, in the prepacked layout (`with_prepack`). Drafters without weights pass through."""
+    dense, in the target's layout: prepacked or not (`with_prepack`), or, beside a native target,
+    native where its weights are the target's (a truncated self-draft: the same int4 matrices) and
+    prepacked where this CPU runs it otherwise. Drafters without weights pass through."""
     from .quant import quantize_drafter
 
     if drafter is None:
         return None
-    drafter = quantize_drafter(drafter, draft_mode(spec, quant))
+    mode = draft_mode(spec, quant)
+    drafter = quantize_drafter(drafter, mode)
     if getattr(drafter, "runner", None) is not None:
-        with_prepack(drafter.runner, prepack)
+        if layout == "native" and spec.startswith("truncated:") and mode == "none":
+            native.apply(drafter.runner, gguf)
+        else:
+            with_prepack(drafter.runner, "auto" if layout == "native" else layout)
     return drafter
 
 
@@ -230,6 +238,9 @@ def _tensor_bytes(tensors, seen: set) -> int:
     it, a truncated draft's layers shared with the target; a torchao weight by its inner tensors)."""
     total = 0
     for t in tensors:
+        if isinstance(t, native.Int4Weight):
+            total += _tensor_bytes(t.tensors(), seen)
+            continue
         if not isinstance(t, torch.Tensor):
             continue
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
@@ -304,29 +315,62 @@ def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
     return runner
 
 
+def with_layout(runner: LlamaRunner, layout: str, gguf: Path | None = None) -> LlamaRunner:
+    """`runner` in a layout `load_target` chose: "native" (the GGUF's own 4-bit blocks in ATen's
+    int4 layout, `native.apply`; `gguf` is the file), else the prepack setting (`with_prepack`)."""
+    if layout == "native":
+        return native.apply(runner, gguf)
+    return with_prepack(runner, layout)
+
+
 @dataclass
 class Target:
     """The target as `load_target` chose to run it."""
     model: LoadedModel
     cost: PassCost | None  # its calibrated pass cost, as it runs (None: not calibrated)
     dtype: str  # "bf16" or "fp32"
-    prepack: str  # "on" or "off": the layout its runner and the model drafts take
+    layout: str  # "on" or "off" (prepacked or not), or "native": what its runner and the model drafts take
     why: str  # the choice and the measurements behind it, and the CPU paths this machine lacks
+    gguf: Path | None = None  # the file native weights come from (a GGUF-born target)
 
 
-def _layouts(dtype: str, prepack: str, on_cpu: bool) -> list[str]:
+def _layouts(dtype: str, prepack: str, on_cpu: bool, native_ok: bool = False) -> list[str]:
     """The weight layouts `load_target` may run a dtype in. Under "auto": bf16 prepacked wherever it
     runs (the kernel a plain bf16 matmul runs, minus the per-call reorder: bit-identical and never
-    slower), fp32 both ways where prepacked fp32 runs (oneDNN's kernel against MKL's: measured)."""
+    slower), fp32 both ways where prepacked fp32 runs (oneDNN's kernel against MKL's: measured);
+    with native_ok, bf16 native too (measured against them)."""
+    native = ["native"] if native_ok and dtype == "bf16" else []
     if not on_cpu or prepack == "off":
-        return ["off"]
+        return ["off"] + native
     path = PACKABLE[_TORCH_DTYPES[dtype]]
     if prepack == "on":
         _require_prepack(dtype)
-        return ["on"]
+        return ["on"] + native
     if not cpu.available(path):
-        return ["off"]
-    return ["on"] if dtype == "bf16" else ["on", "off"]
+        return ["off"] + native
+    return (["on"] if dtype == "bf16" else ["on", "off"]) + native
+
+
+def _native_weights(weights: str, model: str, dtype: str, on_cpu: bool) -> Path | None:
+    """The GGUF file native weights would come from, where the `weights` setting and this machine
+    allow them (`native.py`): a GGUF-born model on a CPU that runs ATen's int4 kernel, in bf16.
+    weights "native" is refused here, naming why, where they cannot run."""
+    if weights not in WEIGHTS_CHOICES:
+        raise ValueError(f"weights must be one of {list(WEIGHTS_CHOICES)}, got {weights!r}")
+    if weights == "dense":
+        return None
+    gguf = gguf_source(model)
+    if weights == "native":
+        if gguf is None:
+            raise ValueError(f"weights: native needs a GGUF-born model; {model!r} was not loaded from GGUF blocks. "
+                             f"Set weights: auto or dense instead.")
+        if not on_cpu:
+            raise ValueError("weights: native runs ATen's CPU int4 kernels; set weights: auto or dense on a GPU")
+        if dtype == "fp32":
+            raise ValueError("weights: native computes with bf16 activations; set dtype: auto or bf16 with it")
+        cpu.require("int4pack", "weights: native", "weights: auto or dense")
+        return gguf
+    return gguf if on_cpu and dtype != "fp32" and cpu.available("int4pack") else None
 
 
 def _require_prepack(dtype: str) -> None:
@@ -335,7 +379,7 @@ def _require_prepack(dtype: str) -> None:
 
 
 def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
-                decode_only: bool = False, prepack: str = "auto") -> Target:
+                decode_only: bool = False, prepack: str = "auto", weights: str = "auto") -> Target:
     """The target in the dtype and weight layout it runs fastest in here, with its calibrated pass
     cost. Each (dtype, layout) this CPU can run (`cpu.probe`) and the settings allow is measured
     (cached per hardware and model, see calibrate.py); the one that decodes fastest per token at
@@ -343,8 +387,9 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     fp16 where bf16 is not supported, unmeasured); prepack "auto" takes or weighs the prepacked
     layout (`_layouts`). The full model is loaded once: options are timed on slices of it
     (`_slice_costs`), and the choice alone is calibrated in full. Never a lossy (quantized) target.
-    An explicit setting the CPU cannot run (dtype bf16, prepack on) fails here with a message naming
-    what is missing. calibrate=False (a quantized target, calibrated as quantized by the caller): no
+    weights "auto" weighs a GGUF-born model's native weights too (`_native_weights`), "native"
+    takes them, "dense" never. An explicit setting the CPU cannot run (dtype bf16, prepack on,
+    weights native) fails here with a message naming what is missing. calibrate=False (a quantized target, calibrated as quantized by the caller): no
     measurement, the first option (bf16 before fp32, prepacked before plain). decode_only: time
     one-token passes only (a draft replica)."""
     tokens = (1,) if decode_only else TOKENS
@@ -358,24 +403,27 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     if dtype == "bf16" and on_cpu:
         cpu.require("bf16", "dtype: bf16", "dtype: auto or fp32")
     dtypes = [dtype] if dtype != "auto" else auto_dtypes(on_cpu)
-    options = [(dt, lay) for dt in dtypes for lay in _layouts(dt, prepack, on_cpu)]
+    gguf = _native_weights(weights, model, dtype, on_cpu) if calibrate or weights == "native" else None
+    options = [(dt, lay) for dt in dtypes for lay in _layouts(dt, prepack, on_cpu, gguf is not None)]
+    if weights == "native":
+        options = [("bf16", "native")]
     note = f"; unavailable here: {missing}" if missing else ""
     if not calibrate:
         dt, lay = options[0]
         return Target(load_model(model, dt, device), None, dt, lay,
-                      f"{_label((dt, lay))}: not measured (a quantized target is calibrated as it runs){note}")
+                      f"{_label((dt, lay))}: not measured (a quantized target is calibrated as it runs){note}", gguf)
     if len(options) == 1:
         (dt, lay), = options
         t = load_model(model, dt, device)
-        why = f"{_label((dt, lay))}: " + ("as configured" if (dtype, prepack) == (dt, lay) else
-                                          "on a GPU, auto is bf16 (fp16 where bf16 is not supported)" if not on_cpu
-                                          else "the only option these settings leave here")
+        why = f"{_label((dt, lay))}: " + ("as configured" if (dtype, prepack) == (dt, lay) or weights == "native"
+                                          else "on a GPU, auto is bf16 (fp16 where bf16 is not supported)"
+                                          if not on_cpu else "the only option these settings leave here")
     else:
         # Loaded in the dtype its checkpoint holds where that is an option (exact either way: a bf16
         # checkpoint upcasts exactly, an fp32 one rounds as loading it in bf16 would), else fp32.
         base = _stored_dtype(model)
         t = load_model(model, base if base in dtypes else "fp32", device)
-        costs = _slice_costs(t, options, max_batch, device, tokens)
+        costs = _slice_costs(t, options, max_batch, device, tokens, gguf)
         (dt, lay), why = choose_dtype(costs, max_batch, _label)
         if len(t.model.model.layers) > SLICE_LAYERS[-1]:
             why += f" (extrapolated from {SLICE_LAYERS[0]}- and {SLICE_LAYERS[-1]}-layer slices)"
@@ -386,8 +434,8 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
             for m in t.model.modules():  # the slices' runners fused some layers' weights in the old dtype
                 for key in [k for k in m.__dict__ if k.startswith(FUSED_PREFIX)]:
                     del m.__dict__[key]
-    cost = calibrated(with_prepack(LlamaRunner(t.model), lay), t.name, max_batch, device, tokens=tokens)
-    return Target(t, cost, dt, lay, why + note)
+    cost = calibrated(with_layout(LlamaRunner(t.model), lay, gguf), t.name, max_batch, device, tokens=tokens)
+    return Target(t, cost, dt, lay, why + note, gguf)
 
 
 def auto_dtypes(on_cpu: bool) -> list[str]:
@@ -402,7 +450,7 @@ SLICE_LAYERS = (2, 4)  # `_slice_costs` times these many first layers (+ embeddi
 
 
 def _slice_costs(t: LoadedModel, options: list[tuple[str, str]], max_batch: int, device: str,
-                 tokens: tuple[int, ...]) -> dict[tuple[str, str], PassCost]:
+                 tokens: tuple[int, ...], gguf: Path | None = None) -> dict[tuple[str, str], PassCost]:
     """Each (dtype, layout)'s pass cost of the whole model, estimated without a second full copy:
     runners over its first 2 and 4 layers (and its LM head), in the option's dtype (a copy of those
     layers alone where it is not the loaded one), extrapolated per point by the cost of a layer
@@ -414,11 +462,12 @@ def _slice_costs(t: LoadedModel, options: list[tuple[str, str]], max_batch: int,
     for dt, lay in options:
         if n_layers <= hi:
             src = t.model if _TORCH_DTYPES[dt] == loaded else _slice(t.model, n_layers, _TORCH_DTYPES[dt])
-            costs[dt, lay] = calibrated(with_prepack(LlamaRunner(src), lay), t.name, max_batch, device, tokens=tokens)
+            costs[dt, lay] = calibrated(with_layout(LlamaRunner(src), lay, gguf), t.name, max_batch, device,
+                                        tokens=tokens)
             continue
         src = t.model if _TORCH_DTYPES[dt] == loaded else _slice(t.model, hi, _TORCH_DTYPES[dt])
-        c_lo, c_hi = (calibrated(with_prepack(LlamaRunner(src, num_layers=k), lay), t.name, max_batch, device,
-                                 tokens=tokens) for k in (lo, hi))
+        c_lo, c_hi = (calibrated(with_layout(LlamaRunner(src, num_layers=k), lay, gguf), t.name, max_batch,
+                                 device, tokens=tokens) for k in (lo, hi))
         per_layer = {k: max(c_hi.points[k] - c_lo.points[k], 0.0) / (hi - lo) for k in c_hi.points}
         costs[dt, lay] = PassCost({k: c_hi.points[k] + (n_layers - hi) * per_layer[k] for k in c_hi.points},
                                   c_hi.dtype, {"slices": [c_lo.meta, c_hi.meta], "layers": n_layers})
@@ -461,9 +510,9 @@ def _stored_dtype(spec: str) -> str:
 
 
 def _label(option: tuple[str, str]) -> str:
-    """(dtype, prepack) -> "fp32+prepacked", "bf16", ..."""
-    dtype, prepack = option
-    return f"{dtype}+prepacked" if prepack == "on" else dtype
+    """(dtype, layout) -> "fp32+prepacked", "bf16", "bf16+native", ..."""
+    dtype, layout = option
+    return {"on": f"{dtype}+prepacked", "native": f"{dtype}+native"}.get(layout, dtype)
 
 
 def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = (), dtype: str = "auto",
@@ -471,7 +520,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
                  compile: bool = False, tune_profile: str | None = None, quant: str = "none",
-                 draft_quant: str | dict[str, str] = "none", prepack: str = "auto") -> Built:
+                 draft_quant: str | dict[str, str] = "none", prepack: str = "auto", weights: str = "auto") -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
@@ -485,7 +534,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     (lossless: the target verifies). A checkpoint trained with `specd distill --qat` runs in
     the mode it was trained for unless draft_quant names another. prepack: the target's and the
     model drafts' weights in oneDNN's prepacked CPU layout (`with_prepack`; not with compile).
-    The rest as `SpecEngine` takes them."""
+    weights: a GGUF-born target's own 4-bit blocks ("native", `actors/native.py`), "dense", or
+    "auto" (measured; not with quant or compile). The rest as `SpecEngine` takes them."""
     from .quant import check_mode, quantize_runner
 
     device = resolve_device(device)
@@ -493,17 +543,23 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     named = dict(drafts) if isinstance(drafts, dict) else {spec: spec for spec in drafts}
     dq = draft_quant if isinstance(draft_quant, dict) else {name: draft_quant for name in named}
     prepack = "off" if compile else prepack
-    chosen = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack)
-    target, cost, dt, prepack, why = chosen.model, chosen.cost, chosen.dtype, chosen.prepack, chosen.why
+    if weights == "native" and (quant != "none" or compile):
+        raise ValueError("weights: native is not combined with quant or compile (native weights are "
+                         "already 4-bit, in ATen's int4 kernels)")
+    weights = "dense" if compile else weights
+    chosen = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack,
+                         weights=weights)
+    target, cost, dt, layout, why = chosen.model, chosen.cost, chosen.dtype, chosen.layout, chosen.why
     runner = LlamaRunner(target.model)  # a longrope model serves fewer positions than its config says
     max_len = min(max_len, runner.max_position - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():
-        d = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, dq.get(name, "none"), prepack)
+        d = ready_drafter(make_drafter(spec, target, max_batch, max_len), spec, dq.get(name, "none"), layout,
+                          chosen.gguf)
         if d is not None:
             drafters[name] = d
     drafters.update(extra_drafters or {})
-    runner = with_prepack(quantize_runner(runner, quant), prepack)
+    runner = with_layout(quantize_runner(runner, quant), layout, chosen.gguf)
     if quant != "none":  # load_target measured the unquantized weights
         cost = calibrated(runner, target.name, max_batch, device)
     if compile:
@@ -520,12 +576,13 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     for name, prof in profiles.items():
         engine.policy.set_prior(name, prof.prior())
     engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant, prepacked=runner.prepacked,
+                       weights="native" if runner.native else "dense",
                        cpu_paths={n: p.reason or "ok" for n, p in cpu.probes().items()} if device == "cpu"
                        else {},
                        draft_quant={n: getattr(getattr(d, "runner", None), "quant", "none")
                                     for n, d in drafters.items() if getattr(d, "runner", None) is not None},
                        tune_profiles={name: prof.path for name, prof in profiles.items()})
     engine.info["memory"] = memory_report(target.model, runner, engine.cache, drafters)
-    log.info("specd: %s in %s, memory: %s", target.name, _label((dt, prepack)), memory_line(engine.info["memory"]))
+    log.info("specd: %s in %s, memory: %s", target.name, _label((dt, layout)), memory_line(engine.info["memory"]))
     engine.warm()
     return Built(engine, target, drafters, dt, why)

@@ -188,6 +188,7 @@ class LlamaRunner:
         self.num_layers = total if num_layers is None else num_layers
         self.quant = "none"  # or an int8 mode set by `actors.quant.quantize_runner`
         self.prepacked = False  # see `prepack`
+        self.native = False  # GGUF blocks in ATen's int4 layout: `actors.native.apply`
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
 
@@ -425,11 +426,14 @@ class LlamaRunner:
         else:
             h = x if attn_norm is None else rms(x, attn_norm, self.eps)
         qkv = linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
-        q, k, v = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).split(
-            [self.n_heads, self.n_kv, self.n_kv], dim=2)
+        H, Hkv = self.n_heads, self.n_kv
+        heads = qkv.view(B, T, H + 2 * Hkv, self.head_dim)
         if q_norm is not None:
-            q, k = rms(q, q_norm, self.eps), rms(k, k_norm, self.eps)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+            q, k, v = heads.split([H, Hkv, Hkv], dim=2)
+            return _rope(rms(q, q_norm, self.eps), cos, sin), _rope(rms(k, k_norm, self.eps), cos, sin), v
+        qk, v = heads.split([H + Hkv, Hkv], dim=2)
+        q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)  # one rotation for both: the same ops per element
+        return q, k, v
 
     def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down, bo=None, post_attn_norm=None, post_mlp_norm=None):
         """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]. With Gemma's
@@ -655,7 +659,10 @@ def warm_linears(weights, max_rows: int = ROW_CHUNK) -> int:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel call `linear` buckets: F.linear, or oneDNN's for a prepacked weight."""
+    """The kernel call `linear` buckets: F.linear, oneDNN's for a prepacked weight, ATen's int4 for
+    a native one (`native.Int4Weight`, callable)."""
+    if callable(w):
+        return w(x, b)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)

@@ -93,6 +93,13 @@ def _gguf_folder() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file a model spec's weights were dequantised from (the embedded model's), or None
+    where they were not (hub and local checkpoints, tiny test models): what native weights
+    (`actors/native.py`) are read from."""
+    return _gguf_folder() / EMBEDDED_GGUF if spec == EMBEDDED else None
+
+
 def ensure_embedded(verbose: bool = True) -> Path:
     """Dequantise the GGUF once (~20 s) into fp32 safetensors; later loads take a second."""
     out = embedded_dir()

@@ -30,6 +30,7 @@ from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationE
 MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
 QUANT_MODES = ("none", "int8-weight", "int8-dynamic", "mixed")  # weight modes, see actors/quant.py
 PREPACK_CHOICES = ("auto", "on", "off")  # CPU weight layout, see actors.build.with_prepack
+WEIGHTS_CHOICES = ("auto", "native", "dense")  # a GGUF-born target's weights, see actors/native.py
 AUTO = "auto"  # γ chosen per step by the speculation policy (actors/policy.py)
 AUTO_MAX_GAMMA = 8  # the most the policy proposes per step
 MAX_TREE = 64  # the most nodes a token tree may have

@@ -53,9 +53,10 @@ class DraftDeployment:
         cfg = ClusterConfig.model_validate(config)
         d = cfg.draft(name)
         torch.set_num_threads(d.torch_threads)
-        target = load_target(cfg.model, cfg.dtype, d.max_batch, cfg.device, decode_only=True, prepack=cfg.prepack)
+        target = load_target(cfg.model, cfg.dtype, d.max_batch, cfg.device, decode_only=True, prepack=cfg.prepack,
+                             weights=cfg.weights)
         drafter = ready_drafter(make_drafter(d.spec, target.model, d.max_batch, cfg.max_len), d.spec, d.quant,
-                                target.prepack)
+                                target.layout, target.gguf)
         drafter.warm()
         self.core = DraftServer(drafter, replica_id(), d.lease_s, overlap=d.overlap, branches=d.overlap_branches)
         start_heap_trim()

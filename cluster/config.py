@@ -282,6 +282,10 @@ class ClusterConfig(_Strict):
     prepack: PrepackSwitch = Field("auto", description="CPU: hold weights in oneDNN's prepacked layout "
                             "(actors.build.load_target); 'auto': where this CPU runs it (actors/cpu.py) and "
                             "the load-time measurement finds it faster; 'on' fails at load where it cannot run")
+    weights: Literal["auto", "native", "dense"] = Field(
+        "auto", description="a GGUF-born target's weights (the embedded model): 'native' keeps its own 4-bit "
+        "blocks in ATen's int4 CPU layout (actors/native.py), 'dense' dequantised; 'auto' measures both at load "
+        "where this CPU runs the int4 kernel (actors/cpu.py) and keeps the faster")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
     grpc_port: int = Field(9000, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535, description="Serve's HTTP proxy: the OpenAI-compatible API")

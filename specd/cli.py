@@ -31,7 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
-from actors.schema import PREPACK_CHOICES, QUANT_MODES
+from actors.schema import PREPACK_CHOICES, QUANT_MODES, WEIGHTS_CHOICES
+from specd.bench.peer import PEERS
 
 
 def gamma_arg(value: str) -> int | str:
@@ -54,6 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prepack", default="auto", choices=PREPACK_CHOICES,
                    help="CPU: weights in oneDNN's prepacked layout (auto: where this CPU runs it and it measures "
                         "faster; on: fails where it cannot run; see actors/cpu.py and SPECD_DISABLE)")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
+                   help="a GGUF-born target (the embedded model): native keeps its own 4-bit blocks in ATen's int4 "
+                        "CPU kernels, dense dequantises; auto measures both at load where this CPU runs int4")
     p.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="the target's int8 mode (torchao). LOSSY: output differs from the unquantized target")
     p.add_argument("--draft-quant", default="none", choices=QUANT_MODES,
@@ -111,7 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default=None,
                    help="--address: concurrent requests per point (default 1,4,16; --pipeline-compare: 4,8)")
     b.add_argument("--rounds", type=int, default=None,
-                   help="--address: repeats of each concurrency > 1 (default 1; --pipeline-compare: 3)")
+                   help="--address: repeats of each concurrency > 1 (default 1; --pipeline-compare: 3); --local: "
+                        "repeats of the whole interleaved run, tokens/s the median round's (default 1)")
+    b.add_argument("--peer", default=None, choices=PEERS,
+                   help="--local: also run llama.cpp (llama-cpp-python, an optional extra built on this machine) on "
+                        "the same GGUF and prompts at batch 1, interleaved, and print every row × llama.cpp")
     b.add_argument("--pipeline-compare", action="store_true",
                    help="--serve/--address: pipelining on against off on one cluster and remote draft (default "
                         "truncated:4), toggled through the Verifier's Serve handle between interleaved rounds; "
@@ -330,7 +338,7 @@ def _generate(args) -> int:
     messages = json.loads(args.messages_json) if args.messages_json else None
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=args.num_beams, max_len=args.max_len,
                          device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
-                         prepack=args.prepack)
+                         prepack=args.prepack, weights=args.weights)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     if not args.json:
         print(f"[specd] target {built.dtype_reason}", file=sys.stderr)
@@ -431,7 +439,8 @@ def _bench(args) -> int:
                              tuple(int(x) for x in args.batch_sizes.split(",")), args.prompts, args.limit,
                              hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device,
                              trees=tuple(int(x) for x in args.tree_budgets.split(",") if x),
-                             quant=args.quant, draft_quant=args.draft_quant, prepack=args.prepack)
+                             quant=args.quant, draft_quant=args.draft_quant, prepack=args.prepack,
+                             weights=args.weights, peer=args.peer, rounds=args.rounds or 1)
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))
@@ -561,7 +570,7 @@ def _demo_local(args) -> int:
 
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len,
                          device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
-                         prepack=args.prepack)
+                         prepack=args.prepack, weights=args.weights)
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft

@@ -6,12 +6,13 @@ Three parts, in one process, every timing interleaved with its comparisons:
   1. kernels   the target's pass cost t(B, T) for B rows of T new tokens (`calibrate.measure`)
                with fp32 and bf16 weights, plain (F.linear: MKL for fp32, oneDNN reordering
                the weight in every call for bf16) and prepacked (`LlamaRunner.prepack`), and
-               bf16 + each int8 mode of `actors/quant.py`: what a multi-token pass costs
+               bf16 + each int8 mode of `actors/quant.py`, and for a GGUF-born target its
+               native 4-bit weights (`actors/native.py`, "bf16+native"): what a multi-token pass costs
                against a one-token pass (the price of verifying γ drafts), and what each weight
                format costs per decode step;
   2. drafts    one draft step (`calibrate.draft_step_seconds`) of the draft in bf16, int8
                (weight-only, post-training) and, when given, a QAT head (`specd distill --qat`);
-  3. the table rows: the target in bf16 (plain and prepacked) and each int8 mode; per row γ=0 (the target alone)
+  3. the table rows: the target in bf16 (plain and prepacked), native and each int8 mode; per row γ=0 (the target alone)
                and each draft at a fixed γ, greedy at batch 1 on the calibration prompts (half
                chat, half code), prompt by prompt round-robin over every configuration:
                  tokens/s and its ratio to bf16 γ=0; α = accepted / drafted; tokens per pass;
@@ -85,11 +86,11 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
           progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from actors import cpu
+    from actors import cpu, native
     from actors.build import draft_mode, make_drafter, ready_drafter, with_prepack
     from actors.engine import SpecEngine
     from actors.llama import PACKABLE, LlamaRunner
-    from actors.models import load_model
+    from actors.models import gguf_source, load_model
     from actors.quant import _torchao, check_mode, quantize_runner
     from actors.sequence import common_prefix
 
@@ -114,6 +115,11 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
         formats[name] = LlamaRunner(m) if name != dtype else ref_runner
         if cpu.available(PACKABLE[m.dtype]):
             formats[f"{name}+prepacked"] = with_prepack(LlamaRunner(m), "on")
+    gguf = gguf_source(model)
+    if gguf is not None and cpu.available("int4pack"):  # the GGUF's own blocks (actors/native.py): bf16 activations
+        if "bf16" not in models:
+            models["bf16"] = load_model(model, "bf16").model
+        formats["bf16+native"] = native.apply(LlamaRunner(models["bf16"]), gguf)
     formats.update({f"{dtype}+{m}": with_prepack(quantize_runner(LlamaRunner(target.model), m)) for m in modes})
 
     # 1. kernels: every format's pass-cost grid, the formats interleaved rep by rep
@@ -144,7 +150,8 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
 
     # 3. the table: one engine per target format, each draft kind in it, prompts round-robin
     engines = {}
-    for tname in [t for t in [dtype, f"{dtype}+prepacked"] + [f"{dtype}+{m}" for m in modes] if t in formats]:
+    for tname in [t for t in [dtype, f"{dtype}+prepacked", "bf16+native"] + [f"{dtype}+{m}" for m in modes]
+                  if t in formats]:
         runner = formats[tname]
         drafters = {k: drafter(spec, m) for k, (spec, m) in draft_kinds.items()}
         engines[tname] = SpecEngine(runner, drafters, tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids,

@@ -22,6 +22,7 @@ from actors.text import encode_prompt
 
 from ..data import load_prompts
 from ..stats import percentile
+from .peer import make_peer
 
 
 def hf_truncated(model, k: int):
@@ -120,13 +121,14 @@ def step_profile(built, prompt_ids: list[int], steps: int = 8) -> dict:
                          e.count / steps} for e in top]}
 
 
-def bandwidth_floor(model) -> dict:
-    """Bytes a decode pass must read (weights; embeddings once, as the LM head) / memory bandwidth."""
-    seen, nbytes = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            nbytes += p.numel() * p.element_size()
+def bandwidth_floor(runner) -> dict:
+    """Bytes a single-token pass must read / memory bandwidth: the runner's weights as it holds them
+    (prepacked copies, native int4 blocks and their scales), the LM head once, not the embedding
+    table (a pass reads one row of it) unless the LM head is that table."""
+    from actors.build import _tensor_bytes
+
+    nbytes = _tensor_bytes([runner.lm_head, runner.norm] + [v for w in runner.layers for v in vars(w).values()],
+                           set())
     big = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MB, well beyond the caches
     for _ in range(2):
         big.sum()
@@ -143,15 +145,19 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
               max_tokens: int = 64, batch_sizes=(1, 8), prompts_path=None, limit: int | None = None,
               hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto",
               trees: tuple[int, ...] = (), tree_depth: int = 6, quant: str = "none",
-              draft_quant: str = "none", prepack: str = "auto") -> dict:
+              draft_quant: str = "none", prepack: str = "auto", weights: str = "auto", peer: str | None = None,
+              rounds: int = 1) -> dict:
     """trees: node budgets at which every tree-capable draft also runs as a token tree (depth
     at most tree_depth); each is a configuration "engine+SPEC tree:N". quant, draft_quant: the
-    target's and the drafts' int8 modes (`actors/quant.py`); prepack: see `actors.build.with_prepack`."""
+    target's and the drafts' int8 modes (`actors/quant.py`); prepack, weights: see `actors.build.build_engine`.
+    peer: another runtime on the same GGUF (`peer.py`), one more configuration at batch 1.
+    rounds: the whole interleaved pass repeated; tokens/s is the median of the rounds'."""
     from tqdm import tqdm
 
     prompts = load_prompts(prompts_path)[:limit]
+    other = make_peer(peer, model, 4096, torch.get_num_threads()) if peer else None  # stops early without it
     built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device, quant=quant,
-                         draft_quant=draft_quant, prepack=prepack)
+                         draft_quant=draft_quant, prepack=prepack, weights=weights)
     eng, target = built.engine, built.target
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
@@ -169,6 +175,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
 
     configs = []  # (batch_size, name, kind, spec)
     for bs in batch_sizes:
+        if other is not None and bs == 1:
+            configs.append((bs, other.name, "peer", None))
         if hf_baselines:
             configs.append((bs, "hf", "hf", None))
             if bs == 1:
@@ -183,26 +191,32 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
             configs += [(bs, f"engine+{s} γ=auto", "engine-adaptive", s) for s in drafts if s != "none"]
 
     rows = {(bs, name): {"batch": bs, "config": name, "tokens": 0, "seconds": 0.0, "stats": SpecStats(),
-                         "agree": [0, 0], "exact": [0, 0]} for bs, name, _, _ in configs}
+                         "agree": [0, 0], "exact": [0, 0], "rounds": []} for bs, name, _, _ in configs}
     reference: dict[int, list[int]] = {}  # prompt index -> HF greedy output at batch 1
     # Warm up each path once (first-call allocations), untimed.
     for bs, name, kind, spec in configs:
         if bs == 1:
-            _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants, tree_depth)
-    work = [(bs, list(range(i, min(i + bs, len(ids))))) for bs in batch_sizes for i in range(0, len(ids), bs)]
-    bar = tqdm(total=sum(len(idx) * sum(1 for c in configs if c[0] == bs) for bs, idx in work),
+            _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants, tree_depth, other)
+    work = [(rnd, bs, list(range(i, min(i + bs, len(ids))))) for rnd in range(rounds) for bs in batch_sizes
+            for i in range(0, len(ids), bs)]
+    bar = tqdm(total=sum(len(idx) * sum(1 for c in configs if c[0] == bs) for _, bs, idx in work),
                desc="bench", unit="req", disable=not progress)
-    for bs, idx in work:
+    for rnd, bs, idx in work:
         for cbs, name, kind, spec in configs:
             if cbs != bs:
                 continue
             batch = [ids[i] for i in idx]
             t0 = time.perf_counter()
-            outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth)
+            outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth,
+                                   other)
             dt = time.perf_counter() - t0
             r = rows[(bs, name)]
             r["seconds"] += dt
             r["tokens"] += sum(map(len, outs))
+            if len(r["rounds"]) == rnd:
+                r["rounds"].append([0, 0.0])
+            r["rounds"][rnd][0] += sum(map(len, outs))
+            r["rounds"][rnd][1] += dt
             if stats is not None:
                 r["stats"].add(stats)
             for i, out in zip(idx, outs):
@@ -219,10 +233,11 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
 
     results = []
     for (bs, name), r in rows.items():
-        tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        per_round = sorted(n / s for n, s in r["rounds"] if s)
+        tps = per_round[len(per_round) // 2] if per_round else 0.0  # the median round (the only one by default)
         st: SpecStats = r["stats"]
         results.append({"batch": bs, "config": name, "tokens": r["tokens"], "seconds": r["seconds"],
-                        "tokens_per_s": tps, "acceptance_rate": st.acceptance_rate if st.draft_tokens else None,
+                        "tokens_per_s": tps, "tokens_per_s_rounds": per_round, "acceptance_rate": st.acceptance_rate if st.draft_tokens else None,
                         "mean_accepted_length": st.mean_accepted_length if st.drafts else None,
                         "acceptance_per_position": st.per_position(),
                         "tokens_per_target_pass": r["tokens"] / st.target_passes if st.target_passes else None,
@@ -235,20 +250,26 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
         res["speedup_vs_engine_gamma0"] = res["tokens_per_s"] / same["engine"] if same.get("engine") else None
         anchor = next((v for k, v in same.items() if k.startswith("hf-assisted") or k == "hf-prompt-lookup"), None)
         res["speedup_vs_hf_anchor"] = res["tokens_per_s"] / anchor if anchor else None
+        peer_tps = next((x["tokens_per_s"] for x in results if x["batch"] == 1 and other and x["config"] == other.name),
+                        None)  # batch 1: what a peer without batching serves
+        res["speedup_vs_peer"] = res["tokens_per_s"] / peer_tps if peer_tps else None
 
     prof = step_profile(built, ids[0])
     report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason, "quant": quant,
-              "draft_quant": draft_quant, "prepacked": eng.info.get("prepacked"),
+              "draft_quant": draft_quant, "prepacked": eng.info.get("prepacked"), "weights": eng.info.get("weights"),
               "hardware": eng.info.get("hardware"), "gamma": gamma, "max_tokens": max_tokens,
-              "prompts": len(ids), "threads": torch.get_num_threads(), "results": results,
+              "prompts": len(ids), "rounds": rounds, "threads": torch.get_num_threads(), "results": results,
+              "peer": None if other is None else {"name": other.name, "version": other.version},
               "verify_cost": verify_costs(eng.target), "decode_step_profile": prof,
-              "bandwidth": bandwidth_floor(hf)}
+              "bandwidth": bandwidth_floor(eng.target)}
     report["bandwidth"]["engine_step_ms"] = report["verify_cost"]["ms"][1]
     report["bandwidth"]["engine_vs_floor"] = report["verify_cost"]["ms"][1] / report["bandwidth"]["floor_ms"]
     return report
 
 
-def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth=6):
+def _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth=6, peer=None):
+    if kind == "peer":
+        return [peer.generate(p, max_tokens, eos) for p in batch], None
     if kind == "hf":
         return _hf_generate(hf, tok, batch, max_tokens, eos), None
     if kind == "hf-assist":
@@ -315,21 +336,28 @@ def render(report: dict) -> str:
 
     con = Console(record=True, width=160)
     t = Table(title=f"specd bench --local  ({report['model']}, {report['dtype']}, γ={report['gamma']}, "
-                    f"{report['prompts']} prompts, ≤{report['max_tokens']} new tokens, greedy)")
-    for col in ("batch", "config", "tok/s", "× hf", "× hf anchor", "× engine γ=0", "α", "tokens/pass",
-                "nodes/pass", "accepted per depth", "agree w/ hf"):
+                    f"{report['prompts']} prompts, ≤{report['max_tokens']} new tokens, greedy"
+                    + (f", median of {report['rounds']} rounds" if report.get("rounds", 1) > 1 else "") + ")")
+    peer = report.get("peer")
+    cols = ["batch", "config", "tok/s", "× hf", "× hf anchor", "× engine γ=0"] + ([f"× {peer['name']}"] if peer else [])
+    for col in cols + ["α", "tokens/pass", "nodes/pass", "accepted per depth", "agree w/ hf"]:
         t.add_column(col, justify="right" if col not in ("config", "accepted per depth") else "left")
     f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
     for r in sorted(report["results"], key=lambda r: (r["batch"], r["config"])):
         t.add_row(str(r["batch"]), r["config"], f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
                   f(r.get("speedup_vs_hf_anchor"), ".2f"), f(r["speedup_vs_engine_gamma0"], ".2f"),
+                  *([f(r.get("speedup_vs_peer"), ".2f")] if peer else []),
                   f(r["acceptance_rate"], ".3f"), f(r.get("tokens_per_target_pass"), ".2f"),
                   f(r.get("nodes_per_pass"), ".1f"),
                   " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "—",
                   f(r["agreement_with_hf"], ".3f"))
     con.print(t)
     con.print(f"hardware: {report.get('hardware')}; dtype {report['dtype']} ({report.get('dtype_reason', '')}); "
+              f"weights {report.get('weights')}; "
               "× hf anchor: against HF generate(assistant_model=...) or prompt lookup at batch 1")
+    if peer:
+        con.print(f"× {peer['name']}: against {peer['name']} ({peer['version']}) at batch 1 on the same GGUF and "
+                  "prompt tokens, interleaved")
     vc = report["verify_cost"]
     con.print("verify pass over T tokens vs 1 token (context %d): " % vc["context"]
               + ", ".join(f"T={k}: {v:.2f}× ({vc['ms'][k]:.1f} ms)" for k, v in vc["ratio_vs_1"].items()))

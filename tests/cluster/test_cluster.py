@@ -206,7 +206,7 @@ def test_stats_carry_the_cpu_paths_and_the_layout_each_verifier_chose(cluster):
     """GetStats: each verifier's probes of the optional CPU fast paths (`actors/cpu.py`) and the
     weight layout it chose with its dtype (fp32 here: prepacked only where that layout runs)."""
     v = next(r for r in cluster.stats().replicas if r.role == "verifier")
-    assert set(v.cpu_paths) == {"bf16", "prepack-bf16", "prepack-fp32"}
+    assert set(v.cpu_paths) == {"bf16", "prepack-bf16", "prepack-fp32", "int4pack"}
     assert v.dtype == "fp32" and v.dtype_reason.startswith("fp32+prepacked" if v.prepacked else "fp32")
     assert v.prepacked <= (v.cpu_paths["prepack-fp32"] == "ok")
 

@@ -79,7 +79,7 @@ def test_explicit_settings_the_cpu_cannot_run_fail_at_load(cpu_paths_off):
         with pytest.raises(ValueError, match=msg):
             load_target("tiny", max_batch=2, device="cpu", **kw)
     t = load_target("tiny", "auto", max_batch=2, device="cpu")  # and auto still loads: fp32, plain
-    assert (t.dtype, t.prepack) == ("fp32", "off")
+    assert (t.dtype, t.layout) == ("fp32", "off")
 
 
 @pytest.mark.parametrize("off", ["", "prepack-bf16", "all"])

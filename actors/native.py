@@ -1,0 +1,199 @@
+"""GGUF-born weights kept in their own 4-bit blocks, run by ATen's CPU int4 kernels.
+
+The embedded SmolLM2 ships as a GGUF: its projections are Q4_1 blocks (32 weights: an fp16 scale d,
+an fp16 minimum m, 4-bit q; w = d·q + m), its tied embedding / LM head Q8_0 (32 int8 q with an fp16
+scale d; w = d·q). Dequantised to bf16 or fp32 they read 4-8x more bytes per token than the blocks
+do. ATen's CPU int4 layout (`torch._convert_weight_to_int4pack_for_cpu` and
+`torch._weight_int4pack_mm_for_cpu`, what torchao's CPU int4 layout is built on) is the same
+asymmetric group quantization: per group of 32 along the input dim, w = (q - 8)·scale + zero. So
+  Q4_1  -> one int4 matrix: q as is, scale = d, zero = m + 8d;
+  Q8_0  -> two int4 matrices over the same activations (ATen has no per-block int8 CPU matmul:
+           `_weight_int8pack_mm` takes one scale per row): q = 16·hi + lo with hi = q >> 4 in
+           [-8, 7] and lo = q & 15, the first with scale 16d and zero 0, the second scale d,
+           zero 8d; their sum is d·q.
+ATen's kernel is fast only with bf16 activations (fp32 activations take a reference loop ~30x
+slower, measured), and then its scales and zeros are bf16 too. So a native weight is the GGUF's
+blocks with each scale (and zero) rounded to bf16: per group of 32, one relative rounding of at
+most 2^-9 shared by the group, where a bf16 dense copy rounds each weight by up to 2^-9 on its
+own. Neither is the fp32 dequantisation: `specd quant`'s agreement and NLL measure how far.
+
+The blocks are read from the GGUF with the `gguf` package (what transformers reads GGUF with),
+rows permuted as transformers permutes Llama's q/k projections, and every matrix is checked at
+load against the weights of the model the runner was built over: the blocks must dequantise to
+them exactly (in fp32; rounded to its dtype where that is bf16), so a native runner provably
+holds the model's own weights. Int4 matrices are shared by every runner built over the same model
+weights in the process (a truncated self-draft shares the target's): built once, while any holds them.
+
+Does not know: requests, sampling, or which format is faster (build.py measures that at load).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP = 32
+_Q4_1_BYTES, _Q8_0_BYTES = 20, 34  # bytes per block of 32 weights
+
+
+class Int4Weight:
+    """One or more ATen int4 matrices summed over the same input: `self(x)` is x @ W^T.
+
+    Duck-types the few attributes the runner's `linear` and warm-up read from a weight tensor."""
+    is_mkldnn = False
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype=torch.bfloat16):
+        """parts: (q int [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) with w = (q - 8)·scale + zero."""
+        n, k = parts[0][0].shape
+        if k % GROUP:
+            raise ValueError(f"in_features {k} is not a multiple of the group size {GROUP}")
+        self.shape = torch.Size((n, k))
+        self.dtype, self.device = dtype, parts[0][0].device
+        self.parts = [(torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2),
+                       torch.stack([s, z], -1).transpose(0, 1).contiguous().to(dtype)) for q, s, z in parts]
+        self.nbytes = sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz in self.parts)
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        k = self.shape[1]
+        x2 = x.reshape(-1, k).to(self.dtype)
+        y = None
+        for packed, sz in self.parts:
+            r = torch._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz)
+            y = r if y is None else y.add_(r)
+        if b is not None:
+            y = y + b
+        return y.view(*x.shape[:-1], self.shape[0])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this computes with, [N, K] fp32 (tests)."""
+        eye = torch.eye(self.shape[1], dtype=self.dtype)
+        return self(eye).float().T.contiguous()
+
+
+def q4_1_blocks(raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows (uint8 [N, K/32 · 20]) -> q uint8 [N, K], d and m fp32 [N, K/32]: w = d·q + m.
+    A block: d fp16, m fp16, 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31."""
+    blocks = torch.from_numpy(np.array(raw)).view(raw.shape[0], k // GROUP, _Q4_1_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = blocks[..., 4:]
+    q = torch.cat([qs & 0xF, qs >> 4], -1).reshape(raw.shape[0], k)
+    return q, d, m
+
+
+def q8_0_blocks(raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows (uint8 [N, K/32 · 34]) -> q int8 [N, K], d fp32 [N, K/32]: w = d·q."""
+    blocks = torch.from_numpy(np.array(raw)).view(raw.shape[0], k // GROUP, _Q8_0_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], k)
+    return q, d
+
+
+def _expand(g: torch.Tensor) -> torch.Tensor:
+    return g.repeat_interleave(GROUP, dim=-1)
+
+
+def q4_1_weight(q, d, m) -> tuple[torch.Tensor, tuple]:
+    """(the fp32 weight the blocks hold, the int4 part computing it)."""
+    return (q.float() * _expand(d) + _expand(m)), (q, d, m + 8 * d)
+
+
+def q8_0_weight(q, d) -> tuple[torch.Tensor, list[tuple]]:
+    """(the fp32 weight, the two int4 parts whose sum computes it)."""
+    hi, lo = q.to(torch.int16) >> 4, q.to(torch.int16) & 0xF
+    return q.float() * _expand(d), [(hi + 8, 16 * d, torch.zeros_like(d)), (lo, d, 8 * d)]
+
+
+def _llama_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """The GGUF row of each HF row of a Llama q or k projection: llama.cpp's converter interleaves
+    each head's two rotary halves, and transformers undoes that at load (its reverse permute)."""
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(n_rows)
+
+
+class GGUFBlocks:
+    """The quantized tensors of one GGUF file, by name."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        reader = gguf.GGUFReader(str(path))
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def matrix(self, name: str):
+        t = self.tensors[name]
+        k = int(t.shape[0])  # GGUF shapes are [in, out]
+        kind = t.tensor_type.name
+        if kind == "Q4_1":
+            return "Q4_1", q4_1_blocks(t.data, k)
+        if kind == "Q8_0":
+            return "Q8_0", q8_0_blocks(t.data, k)
+        raise ValueError(f"{self.path.name}: {name} is {kind}; native weights take Q4_1 and Q8_0 blocks")
+
+
+_BUILT: "weakref.WeakValueDictionary[tuple, Int4Weight]" = weakref.WeakValueDictionary()
+
+
+def _native(blocks: GGUFBlocks, names: list[str], rows: list[torch.Tensor | None], expect: torch.Tensor,
+            dtype: torch.dtype) -> Int4Weight:
+    """The GGUF tensors `names`, rows permuted by `rows` and stacked, as one Int4Weight; checked
+    exact against `expect` (the runner's weight, [N, K], in fp32 or rounded to its dtype)."""
+    key = (str(blocks.path), tuple(names), dtype, expect.dtype, expect.data_ptr())  # checked against these weights
+    if key in _BUILT:
+        return _BUILT[key]
+    dense, parts = [], []
+    for name, perm in zip(names, rows):
+        kind, b = blocks.matrix(name)
+        if perm is not None:
+            b = tuple(t[perm] for t in b)
+        w, p = q4_1_weight(*b) if kind == "Q4_1" else q8_0_weight(*b)
+        dense.append(w)
+        parts.append([p] if kind == "Q4_1" else p)
+    if len({len(p) for p in parts}) != 1:
+        raise ValueError(f"{names}: mixed block types cannot be fused")
+    got = torch.cat(dense).to(expect.dtype)
+    if got.shape != expect.shape or not torch.equal(got, expect):
+        diff = "shape " + str(tuple(got.shape)) if got.shape != expect.shape else \
+            f"max |diff| {(got - expect.float()).abs().max().item():.3g}"
+        raise ValueError(f"{blocks.path.name}: {'+'.join(names)} does not dequantise to the model's weight ({diff})")
+    fused = [tuple(torch.cat([p[i][j] for p in parts]) for j in range(3)) for i in range(len(parts[0]))]
+    _BUILT[key] = w = Int4Weight(fused, dtype)
+    return w
+
+
+def apply(runner, gguf_path: Path):
+    """Give a Llama `LlamaRunner` built over the model dequantised from `gguf_path` native weights
+    in place: its four projections per layer and its LM head become `Int4Weight`s (bf16
+    activations; a runner in bf16 runs without a cast). Returns the runner, `.native` set."""
+    if runner.device.type != "cpu":
+        raise ValueError("native weights run on a CPU (ATen's int4pack CPU kernels)")
+    blocks = _blocks(str(gguf_path))
+    if blocks.arch != "llama" or runner.config.model_type != "llama":
+        raise ValueError(f"native weights: only Llama GGUFs are mapped, not {blocks.arch!r}")
+    H, Hkv, D = runner.n_heads, runner.n_kv, runner.head_dim
+    bf16 = torch.bfloat16
+    for i, layer in enumerate(runner.layers):
+        p = f"blk.{i}."
+        layer.wqkv = _native(blocks, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+                             [_llama_rows(H * D, H), _llama_rows(Hkv * D, Hkv), None], layer.wqkv, bf16)
+        layer.wo = _native(blocks, [p + "attn_output.weight"], [None], layer.wo, bf16)
+        layer.w_gate_up = _native(blocks, [p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None],
+                                  layer.w_gate_up, bf16)
+        layer.w_down = _native(blocks, [p + "ffn_down.weight"], [None], layer.w_down, bf16)
+    head = "output.weight" if "output.weight" in blocks.tensors else "token_embd.weight"
+    runner.lm_head = _native(blocks, [head], [None], runner.lm_head, bf16)
+    runner.native = True
+    return runner
+
+
+@functools.lru_cache(maxsize=2)
+def _blocks(path: str) -> GGUFBlocks:
+    return GGUFBlocks(Path(path))

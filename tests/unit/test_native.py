@@ -1,0 +1,90 @@
+"""Native weights (`actors/native.py`): the embedded GGUF's own Q4_1 / Q8_0 blocks in ATen's int4
+CPU layout. They are the model's weights (the blocks dequantise exactly to the fp32 model's), the
+Q8_0 split into two int4 matrices is exact, speculation over a native target stays lossless, and
+a CPU without the kernel (SPECD_DISABLE=int4pack) never gets them under auto and is told why
+under `weights: native`."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from actors import native
+from actors.build import build_engine, load_target
+from actors.llama import LlamaRunner
+from actors.models import gguf_source
+from actors.schema import Request, SamplingParams, SpeculationParams
+from helpers import chat_ids
+
+
+def test_the_blocks_dequantise_to_the_models_weights_and_a_wrong_mapping_is_refused(smollm2, monkeypatch):
+    """`apply` checks every matrix against the fp32 model (raising otherwise): two layers and the
+    LM head pass, and each int4 matrix computes its weight up to bf16 rounding (of its group's
+    scale and zero, and of the bf16 result). Without transformers' q/k row permutation (a plausible mapping bug) it refuses."""
+    runner = LlamaRunner(smollm2.model, num_layers=2)
+    dense = runner.layers[0].w_gate_up.clone(), runner.lm_head.clone()
+    native.apply(runner, gguf_source("smollm2"))
+    assert runner.native and isinstance(runner.layers[1].wqkv, native.Int4Weight)
+    for w, ref in zip((runner.layers[0].w_gate_up, runner.lm_head), dense):
+        got = w.dequantize()
+        assert got.shape == ref.shape and not torch.equal(got, ref)  # bf16 scales: close, not equal
+        # per weight: within bf16's rounding of it (the kernel's output here) and of its group's scale and
+        # zero, which is relative to the largest weight of its group of 32
+        group = ref.view(ref.shape[0], -1, native.GROUP).abs().amax(-1).repeat_interleave(native.GROUP, -1)
+        assert ((got - ref).abs() <= (ref.abs() + group) / 128).all()
+
+    monkeypatch.setattr(native, "_BUILT", weakref.WeakValueDictionary())  # nothing built and checked before
+    monkeypatch.setattr(native, "_llama_rows", lambda n, heads: torch.arange(n))
+    with pytest.raises(ValueError, match="attn_q.weight.*does not dequantise to the model's weight"):
+        native.apply(LlamaRunner(smollm2.model, num_layers=1), gguf_source("smollm2"))
+
+
+def test_the_q8_0_split_into_two_int4_matrices_is_exact():
+    """q = 16·hi + lo: with fp32 scales the two int4 matrices sum to exactly d·q (ATen's fp32
+    kernel, slow but exact), and Q4_1's zero m + 8d to d·q + m up to one rounding."""
+    g = torch.Generator().manual_seed(0)
+    q8 = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
+    d = (torch.rand(48, 2, generator=g) / 50).half().float()
+    dense, parts = native.q8_0_weight(q8, d)
+    assert torch.equal(native.Int4Weight(parts, torch.float32).dequantize(), dense)
+    q4 = torch.randint(0, 16, (48, 64), generator=g)
+    m = -(torch.rand(48, 2, generator=g) / 5).half().float()
+    dense, part = native.q4_1_weight(q4, d, m)
+    torch.testing.assert_close(native.Int4Weight([part], torch.float32).dequantize(), dense, rtol=0, atol=1e-6)
+
+
+def _greedy(eng, prompts, draft="none", gamma=0, tree=None, n=20):
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True),
+                    SpeculationParams(draft=draft, gamma=gamma, tree=tree)) for i, p in enumerate(prompts)]
+    return [c.token_ids for c in eng.generate(reqs)]
+
+
+def test_speculation_over_a_native_target_is_lossless(smollm2):
+    """Greedy, batched: the native target with n-gram chains, n-gram trees and the truncated
+    self-draft (native too: the target's own int4 matrices) gives what it gives alone."""
+    built = build_engine("smollm2", ["ngram", "truncated:8"], "bf16", max_batch=2, max_len=256, device="cpu",
+                         weights="native")
+    eng = built.engine
+    assert eng.info["weights"] == "native" and built.dtype_reason.startswith("bf16+native")
+    assert built.drafters["truncated:8"].runner.layers[0].wqkv is eng.target.layers[0].wqkv  # shared, not copied
+    prompts = [chat_ids(smollm2.tokenizer, "Write a Python function that adds two numbers."),
+               chat_ids(smollm2.tokenizer, "List the first five prime numbers, comma separated, twice.")]
+    plain = _greedy(eng, prompts)
+    assert _greedy(eng, prompts, "ngram", 4) == plain
+    assert _greedy(eng, prompts, "ngram", 4, tree=12) == plain
+    assert _greedy(eng, prompts, "truncated:8", 3) == plain
+
+
+def test_without_the_int4_kernel_auto_keeps_dense_weights_and_native_is_refused(cpu_paths_off):
+    cpu_paths_off("int4pack")
+    with pytest.raises(ValueError, match="weights: native needs ATen's int4 CPU matmul.*Set weights: auto or dense"):
+        load_target("smollm2", "bf16", max_batch=1, device="cpu", weights="native")
+    assert build_engine("smollm2", [], "bf16", max_batch=1, max_len=64, device="cpu").engine.info["weights"] == "dense"
+
+
+def test_native_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="weights: native needs a GGUF-born model; 'tiny'"):
+        load_target("tiny", "auto", max_batch=1, device="cpu", weights="native")
+    with pytest.raises(ValueError, match="bf16 activations; set dtype: auto or bf16"):
+        load_target("smollm2", "fp32", max_batch=1, device="cpu", weights="native")
