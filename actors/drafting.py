@@ -161,7 +161,7 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
         drafter = drafters[name]
         cols = (columns or {}).get(name)
         dseqs = [_draft_seq(seqs[b], gammas[b], features if drafter.wants_hidden else None,
-                            trees[b] if trees else 0, cols, shadow[b]) for b in rows]
+                            trees[b] if trees else 0, cols, shadow[b], drafter.grammar_masking) for b in rows]
         tg = time.perf_counter()
         if asynchronous or not drafter.asynchronous:
             wait = drafter.propose_async(dseqs)
@@ -176,12 +176,14 @@ def launch(seqs: list[Sequence], gammas: list[int], drafters: dict[str, Drafter]
 
 
 def _draft_seq(s: Sequence, gamma: int, features: Features | None, tree: int = 0,
-               cols: slice | torch.Tensor | None = None, shadow: bool = False) -> DraftSeq:
+               cols: slice | torch.Tensor | None = None, shadow: bool = False, masks: bool = False) -> DraftSeq:
     p, v = s.req.sampling, s.view
     ds = DraftSeq(seq_id=s.key, keep=v.keep, new_tokens=s.tokens[v.keep:], gamma=gamma,
                   temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=s.seed, coupled=s.req.coupled,
                   tree=tree, threshold=s.req.speculation.threshold or 0.0, shadow=shadow,
-                  penalties=p.penalties, output_start=s.num_prompt, tenant=s.req.tenant)
+                  penalties=p.penalties, output_start=s.num_prompt, tenant=s.req.tenant,
+                  grammar=s.constraint.matcher.deep_copy() if masks and s.constraint is not None and not tree
+                  else None)
     n = None
     if features is not None:
         n = features.length[s.slot]

@@ -130,3 +130,52 @@ class Constraint:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (only an end-of-sequence token)."""
         return self.matcher.is_stopped()
+
+
+class DraftMasks:
+    """Draft masking: the grammar rows of a model drafter's chain batch (`DraftSeq.grammar`, a copy
+    of the request's matcher at its committed state), each draft step's logits masked to what the
+    grammar allows after the row's drafts so far. A model draft then proposes only tokens the
+    target can accept, instead of wasting the rest of its chain past a forbidden one. The target is
+    masked on its own (`Constraint.mask`), so losslessness never depends on this. A row whose draft
+    vocabulary (a restricted head) holds no allowed token, or whose draft the grammar refuses, is
+    left unmasked from there on."""
+
+    def __init__(self, rows: list[int], matchers: list, vocab_size: int):
+        import llguidance.torch as lt
+
+        self.rows, self.matchers, self.vocab_size = rows, matchers, vocab_size
+        self.live = [True] * len(rows)
+        self.bitmask = lt.allocate_token_bitmask(len(rows), vocab_size)
+
+    @classmethod
+    def of(cls, seqs, vocab_size: int) -> "DraftMasks | None":
+        rows = [b for b, s in enumerate(seqs) if s.grammar is not None]
+        return cls(rows, [seqs[b].grammar for b in rows], vocab_size) if rows else None
+
+    def apply(self, logits: torch.Tensor, vocab_map: torch.Tensor | None = None) -> None:
+        """logits [B, R] of the next drafts (R: the head's rows, vocab_map their target ids), masked
+        in place on the grammar rows."""
+        import llguidance.torch as lt
+
+        for i, m in enumerate(self.matchers):
+            if self.live[i]:
+                lt.fill_next_token_bitmask(m, self.bitmask, i)
+            else:
+                self.bitmask[i].fill_(-1)
+        bits = (self.bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [N, W, 32]
+        allowed = bits.view(len(self.rows), -1)[:, :self.vocab_size].bool().to(logits.device)  # [N, V]
+        if vocab_map is not None:
+            allowed = allowed[:, vocab_map]
+        ok = allowed.any(-1).tolist()
+        for i, b in enumerate(self.rows):
+            if ok[i]:
+                logits[b].masked_fill_(~allowed[i], float("-inf"))
+            else:
+                self.live[i] = False
+
+    def drafted(self, tokens: torch.Tensor) -> None:
+        """tokens [B]: each row's draft (target ids), consumed by its matcher."""
+        for i, b in enumerate(self.rows):
+            if self.live[i] and self.matchers[i].try_consume_tokens([int(tokens[b])]) != 1:
+                self.live[i] = False

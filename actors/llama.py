@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
+from .native import Int4Weight
 
 
 @dataclass
@@ -614,6 +615,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     is cached per shape, over bucketed row chunks (see ROW_CHUNK). Padded rows are zeros and
     are dropped: every real row's result is what the unpadded call gives. Not under
     torch.compile (`LlamaRunner.compile`), whose own kernels take dynamic shapes."""
+    if type(w) is Int4Weight:  # native weights: ATen's int4 kernel, not cached per shape
+        return w(x, b)
     if not shape_cached(x, w) or torch.compiler.is_compiling():
         return _linear(x, w, b)
     k = x.shape[-1]
@@ -659,10 +662,7 @@ def warm_linears(weights, max_rows: int = ROW_CHUNK) -> int:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel call `linear` buckets: F.linear, oneDNN's for a prepacked weight, ATen's int4 for
-    a native one (`native.Int4Weight`, callable)."""
-    if callable(w):
-        return w(x, b)
+    """The kernel call `linear` buckets: F.linear, or oneDNN's for a prepacked weight."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)

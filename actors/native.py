@@ -57,12 +57,13 @@ class Int4Weight:
         self.nbytes = sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz in self.parts)
 
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        k = self.shape[1]
-        x2 = x.reshape(-1, k).to(self.dtype)
-        y = None
-        for packed, sz in self.parts:
-            r = torch._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz)
-            y = r if y is None else y.add_(r)
+        x2 = x.reshape(-1, self.shape[1])
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        packed, sz = self.parts[0]
+        y = torch._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz)
+        for packed, sz in self.parts[1:]:
+            y.add_(torch._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz))
         if b is not None:
             y = y + b
         return y.view(*x.shape[:-1], self.shape[0])

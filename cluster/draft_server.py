@@ -381,7 +381,7 @@ class RemoteDrafter(Drafter):
 
     def _call(self, pin: str | None, seqs: list[DraftSeq]):
         h = self.handle.options(session_id=pin) if pin else self.handle
-        return h.propose.remote([replace(s, hidden_history=None) for s in seqs])  # history stays here
+        return h.propose.remote([replace(s, hidden_history=None, grammar=None) for s in seqs])  # verifier-local
 
     def _resync(self, pin: str | None, seqs: list[DraftSeq]):
         """Re-send sequences from their committed tokens (keep=0), e.g. after a lost replica."""

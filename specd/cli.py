@@ -147,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--tree-budgets", default="16",
                    help="--local: also run each tree-capable draft as a token tree of these node budgets "
                         "(depth <= 6); empty: chains only")
-    b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    b.add_argument("--limit", type=int, default=None,
+                   help="use only N prompts (--local: taken in turn from each kind, chat and code; else the first N)")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     b.add_argument("--no-adaptive", action="store_true", help="skip the γ=auto configurations")
     b.add_argument("--beams", default=None,

@@ -62,6 +62,10 @@ class DraftSeq:
     # in `feature_layers`, concatenated. Only filled for such drafters.
     hidden: torch.Tensor | None = None  # [n, len(feature_layers) * E]
     hidden_start: int = 0
+    # Verifier-local: a copy of the request's grammar matcher (llguidance) at its committed state,
+    # for a model drafter that masks its drafts to the grammar (`grammar.DraftMasks`; only where the
+    # drafter sets `grammar_masking`). Never sent to a draft replica.
+    grammar: object | None = None
     # Verifier-local: every committed token's hidden state so far (all but the last token), for
     # re-prefilling a feature-level drafter that lost its state. Never sent to a draft replica.
     hidden_history: torch.Tensor | None = None
@@ -132,6 +136,8 @@ class Drafter(ABC):
       free_drafting proposing costs next to nothing (n-gram lookup): the speculation policy
                     may shadow-draft with it on every step.
       tree_drafting it proposes token trees when DraftSeq.tree > 0 (Proposal.parents).
+      grammar_masking it masks its chain drafts to a request's grammar (DraftSeq.grammar); an
+                    instance may switch it off (a benchmark's "without draft masking").
       rebases_views it keeps KV behind each sequence's token view, which `set_view` can move to
                     another view (a prefix of it stays valid), and proposals carry the K
                     likeliest tokens per position when `record_topk` = K > 0: what a draft
@@ -143,6 +149,7 @@ class Drafter(ABC):
     asynchronous: bool = False
     free_drafting: bool = False
     tree_drafting: bool = False
+    grammar_masking: bool = False
     rebases_views: bool = False
     record_topk: int = 0  # > 0 (a drafter that rebases views): proposals carry Proposal.topk
 

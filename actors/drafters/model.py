@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..grammar import DraftMasks
 from ..llama import LlamaRunner
 from ..penalties import DraftPenalties
 from ..sampling import coupled_scores, gumbel_noise, new_generator, process_logits, sample
@@ -58,6 +59,7 @@ class ModelDrafter(Drafter):
         return slot
 
     tree_drafting = True
+    grammar_masking = True  # chains (`grammar.DraftMasks`)
     rebases_views = True
     TREE_BRANCH = 4  # children expanded per frontier node, and frontier nodes kept per depth
 
@@ -102,10 +104,13 @@ class ModelDrafter(Drafter):
         tau = [s.threshold for s in seqs]
         conf = torch.ones(B, G, device=dev) if any(tau) else None  # [B, G] draft prob of each drafted token
         pen = DraftPenalties.of(seqs, [self.views[s.seq_id] for s in seqs], self.vocab_size, dev)
+        masks = DraftMasks.of(seqs, self.vocab_size)
         for j in range(G):
             logits = self.runner.logits(last).float()  # [B, R]
             if pen is not None:  # as the target will score them
                 pen.apply(logits, vmap)
+            if masks is not None:  # only what the grammar allows (the target masks its own logits too)
+                masks.apply(logits, vmap)
             tok = logits.argmax(-1)  # head rows
             if K:
                 top = logits.topk(min(K, logits.shape[-1]), dim=-1).indices  # [B, K] head rows
@@ -133,6 +138,8 @@ class ModelDrafter(Drafter):
             tokens[:, j] = tok
             if pen is not None:
                 pen.drafted(tok)
+            if masks is not None:
+                masks.drafted(tok)
             if j + 1 < G:  # the last draft is proposed, not fed: the target verifies it
                 last = self._advance(s_slots, tok[order], last[order])[inv]
         num_draft = [s.gamma for s in seqs]

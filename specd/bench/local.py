@@ -20,7 +20,7 @@ from actors.build import build_engine, draft_meta
 from actors.schema import Request, SamplingParams, SpecStats, SpeculationParams
 from actors.text import encode_prompt
 
-from ..data import load_prompts
+from ..data import load_prompts, mixed
 from ..stats import percentile
 from .peer import make_peer
 
@@ -102,7 +102,8 @@ def step_profile(built, prompt_ids: list[int], steps: int = 8) -> dict:
             eng.step()
     eng.abort(key)
     families = {"matmul (linear, LM head)": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
-                                             "mkldnn::_linear_pointwise"),  # prepacked weights (LlamaRunner.prepack)
+                                             "mkldnn::_linear_pointwise",  # prepacked weights (LlamaRunner.prepack)
+                                             "aten::_weight_int4pack_mm"),  # native weights (actors/native.py)
                 "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::softmax"),
                 "KV cache write/read": ("aten::index_put", "aten::_index_put_impl_", "aten::index"),
                 "norms": ("aten::rms_norm", "aten::_fused_rms_norm")}
@@ -154,7 +155,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
     rounds: the whole interleaved pass repeated; tokens/s is the median of the rounds'."""
     from tqdm import tqdm
 
-    prompts = load_prompts(prompts_path)[:limit]
+    prompts = mixed(load_prompts(prompts_path), limit)
     other = make_peer(peer, model, 4096, torch.get_num_threads()) if peer else None  # stops early without it
     built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device, quant=quant,
                          draft_quant=draft_quant, prepack=prepack, weights=weights)

@@ -8,8 +8,10 @@ machine noise hits all alike:
   the same ratio on the free workload (is JSON more predictable?);
   acceptance; the grammar's own cost (computing and applying masks: `BatcherStats.grammar_s`) per
   step and as a share of the wall time; schema-valid outputs (every one must be).
-Drafts are not masked (a draft the grammar forbids is rejected at verification): "acceptance
-with draft masking" is not measured because this engine does not mask drafts.
+A model draft (truncated, EAGLE head: `Drafter.grammar_masking`) runs twice under the grammar: with
+its chain drafts masked to the grammar (`grammar.DraftMasks`, the default) and without (a draft
+the grammar forbids is then only rejected at verification): acceptance with and without draft
+masking. n-gram and suffix drafts copy text and are not masked.
 Writes JSON and prints a table.
 """
 from __future__ import annotations
@@ -58,48 +60,56 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
     eng, tok = built.engine, built.target.tokenizer
     work = [(name, schema, encode_prompt(tok, messages=[{"role": "user", "content": ask}]))
             for name, schema, asks in SCHEMAS for ask in asks]
-    configs = [("none", 0)] + [(d, g) for d in drafts for g in (gamma, "auto")]
+    # (draft, γ, constrained, draft masking): free prompts once per draft and γ, grammar ones with and
+    # without masking where the draft masks
+    configs = [(d, g, c, m) for d, g in [("none", 0)] + [(d, g) for d in drafts for g in (gamma, "auto")]
+               for c in (True, False)
+               for m in ((True, False) if c and d != "none" and eng.drafters[d].grammar_masking else (True,))]
     runs: dict = {}
-    total = rounds * len(batches) * len(configs) * 2
+    total = rounds * len(batches) * len(configs)
     bar = tqdm(total=total, desc="structured bench", disable=not progress)
     with torch.inference_mode():
         for r in range(rounds):
             for batch in batches:
                 order = configs if r % 2 == 0 else configs[::-1]
-                for draft, g in order:
-                    for constrained in (True, False):
-                        key = (batch, draft, str(g), constrained)
-                        acc = runs.setdefault(key, {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0,
-                                                    "valid": 0, "outputs": 0, "grammar_s": 0.0, "passes": 0})
-                        for i in range(0, len(work), batch):
-                            chunk = work[i:i + batch]
-                            reqs = [Request(f"{n}{j}", ids, SamplingParams(
-                                max_tokens=max_tokens, grammar=("json_schema", json.dumps(s)) if constrained else None),
-                                SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
-                            g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
-                            t0 = time.perf_counter()
-                            done = eng.generate(reqs)
-                            acc["seconds"] += time.perf_counter() - t0
-                            acc["grammar_s"] += eng.batcher.grammar_s - g0
-                            acc["passes"] += eng.batcher.target_passes - p0
-                            for (n, s, _), c in zip(chunk, done):
-                                acc["tokens"] += len(c.token_ids)
-                                acc["drafted"] += c.stats.draft_tokens
-                                acc["accepted"] += c.stats.accepted_tokens
-                                if constrained:
-                                    acc["outputs"] += 1
-                                    try:
-                                        jsonschema.validate(json.loads(c.text), s)
-                                        acc["valid"] += 1
-                                    except (ValueError, jsonschema.ValidationError):
-                                        pass
-                        bar.update(1)
+                for draft, g, constrained, masking in order:
+                    if draft != "none":
+                        eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
+                    key = (batch, draft, str(g), constrained, masking)
+                    acc = runs.setdefault(key, {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0,
+                                                "valid": 0, "outputs": 0, "grammar_s": 0.0, "passes": 0})
+                    for i in range(0, len(work), batch):
+                        chunk = work[i:i + batch]
+                        reqs = [Request(f"{n}{j}", ids, SamplingParams(
+                            max_tokens=max_tokens, grammar=("json_schema", json.dumps(s)) if constrained else None),
+                            SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
+                        g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
+                        t0 = time.perf_counter()
+                        done = eng.generate(reqs)
+                        acc["seconds"] += time.perf_counter() - t0
+                        acc["grammar_s"] += eng.batcher.grammar_s - g0
+                        acc["passes"] += eng.batcher.target_passes - p0
+                        for (n, s, _), c in zip(chunk, done):
+                            acc["tokens"] += len(c.token_ids)
+                            acc["drafted"] += c.stats.draft_tokens
+                            acc["accepted"] += c.stats.accepted_tokens
+                            if constrained:
+                                acc["outputs"] += 1
+                                try:
+                                    jsonschema.validate(json.loads(c.text), s)
+                                    acc["valid"] += 1
+                                except (ValueError, jsonschema.ValidationError):
+                                    pass
+                    bar.update(1)
     bar.close()
     rows = []
-    for (batch, draft, g, constrained), a in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][3] is False)):
-        base = runs[(batch, "none", "0", constrained)]
+    for (batch, draft, g, constrained, masking), a in sorted(runs.items(),
+                                                            key=lambda kv: (kv[0][0], kv[0][3] is False)):
+        base = runs[(batch, "none", "0", constrained, True)]
         tps = a["tokens"] / a["seconds"]
-        rows.append({"batch": batch, "draft": draft, "gamma": g, "grammar": constrained, "tokens_per_s": tps,
+        masks = constrained and draft != "none" and type(eng.drafters[draft]).grammar_masking
+        rows.append({"batch": batch, "draft": draft, "gamma": g, "grammar": constrained,
+                     "draft_masking": masking if masks else None, "tokens_per_s": tps,
                      "vs_off": tps / (base["tokens"] / base["seconds"]),
                      "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
                      "grammar_ms_per_pass": 1e3 * a["grammar_s"] / a["passes"] if a["passes"] else None,
@@ -115,11 +125,13 @@ def render(report: dict) -> str:
     lines = [f"structured output, {report['model']} ({report['dtype']}), {hw.get('name')} "
              f"({', '.join(hw.get('flags', []))}), {hw.get('threads')} threads; {report['prompts']} prompts, "
              f"{report['rounds']} rounds, greedy, up to {report['max_tokens']} tokens",
-             f"{'batch':>5} {'draft':<8} {'γ':>4} {'grammar':>7} {'tok/s':>7} {'×off':>6} {'α':>5} "
+             f"{'batch':>5} {'draft':<8} {'γ':>4} {'grammar':>7} {'draft mask':>10} {'tok/s':>7} {'×off':>6} {'α':>5} "
              f"{'mask ms/pass':>12} {'mask share':>10} {'valid':>6}"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in report["rows"]:
-        lines.append(f"{r['batch']:>5} {r['draft']:<8} {r['gamma']:>4} {str(r['grammar']):>7} {r['tokens_per_s']:7.1f} "
+        dm = {None: "-", True: "on", False: "off"}[r.get("draft_masking")]
+        lines.append(f"{r['batch']:>5} {r['draft']:<8} {r['gamma']:>4} {str(r['grammar']):>7} {dm:>10} "
+                     f"{r['tokens_per_s']:7.1f} "
                      f"{r['vs_off']:6.2f} {f(r['acceptance'], '5.2f')} {f(r['grammar_ms_per_pass'], '12.2f')} "
                      f"{r['grammar_share']:10.1%} {f(r['valid'], '6.0%')}")
     return "\n".join(lines)

@@ -30,3 +30,17 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def mixed(prompts: list[dict], limit: int | None) -> list[dict]:
+    """The first `limit` prompts taken in turn from each "kind" (chat, code, ...), so that a short
+    run still mixes them; all prompts, in file order, without a limit."""
+    if limit is None or limit >= len(prompts):
+        return prompts
+    kinds: dict[str, list[dict]] = {}
+    for p in prompts:
+        kinds.setdefault(p.get("kind", ""), []).append(p)
+    out: list[dict] = []
+    for i in range(max(map(len, kinds.values()))):
+        out += [ps[i] for ps in kinds.values() if i < len(ps)]
+    return out[:limit]
