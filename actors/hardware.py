@@ -15,7 +15,8 @@ FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 def hardware(device: str | torch.device = "cpu") -> dict:
     """What this process computes on: the GPU's name, or the CPU model and its matmul flags,
-    plus the torch version and intra-op threads (both change pass costs)."""
+    plus the torch version and intra-op threads (both change pass costs), and ATen's kernel
+    instruction set where a variable lowered it."""
     dev = torch.device(device)
     info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if dev.type == "cuda":
@@ -34,7 +35,19 @@ def hardware(device: str | torch.device = "cpu") -> dict:
     except OSError:  # not Linux: the model name alone
         pass
     return {**info, "device": "cpu", "name": name, **{k.replace(" ", "_"): v for k, v in ident.items()},
-            "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count()}
+            "flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count(), **_isa()}
+
+
+def _isa() -> dict:
+    """The instruction sets ATen's and oneDNN's CPU kernels are held to, where a variable lowers
+    them below the CPU's best (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: an AVX-512 machine running
+    an AVX2 CPU's kernels); {} when neither is set, so other fingerprints stay as they were."""
+    out = {}
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        out["aten_isa"] = torch.backends.cpu.get_cpu_capability()
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        out["onednn_isa"] = os.environ["ONEDNN_MAX_CPU_ISA"]
+    return out
 
 
 def hardware_line(hw: dict) -> str:
@@ -44,4 +57,5 @@ def hardware_line(hw: dict) -> str:
     if hw.get("device") == "cuda":
         return f"{hw['name']} (cuda), torch {hw['torch']}"
     return (f"{hw.get('name', 'cpu')} ({', '.join(hw.get('flags', [])) or 'no avx2'}), {hw.get('cores')} cores, "
-            f"{hw.get('threads')} thread{'s' if hw.get('threads', 1) != 1 else ''}, torch {hw.get('torch')}")
+            f"{hw.get('threads')} thread{'s' if hw.get('threads', 1) != 1 else ''}, torch {hw.get('torch')}"
+            + "".join(f", {k.split('_')[0]} kernels held to {hw[k]}" for k in ("aten_isa", "onednn_isa") if hw.get(k)))

@@ -14,6 +14,7 @@ checks on two replicas that no pinned call ever lands elsewhere.
 from __future__ import annotations
 
 import random
+import time
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
@@ -56,6 +57,14 @@ class PrefixRouter(_prefix_router_base()):
         if pin:
             return await PinnedRouter.choose_replicas(self, candidate_replicas, pending_request)
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        """Record where the prompt went, without waiting: Ray's version blocks this router's event loop
+        on the prefix tree actor (`ray.get`) after every request, which serialises routing under load.
+        The insert lands a moment later; a request routed in between matches a little less."""
+        text = self._extract_text_from_request(pending_request) if pending_request is not None else None
+        if text is not None:
+            self._tree_actor.insert.remote(text, replica_id.to_full_id_str(), time.time())
 
     def _extract_text_from_request(self, pending_request) -> str | None:
         from actors.schema import Request

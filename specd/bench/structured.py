@@ -7,7 +7,8 @@ machine noise hits all alike:
   tokens/s with the grammar and its ratio to speculation off (with the grammar);
   the same ratio on the free workload (is JSON more predictable?);
   acceptance; the grammar's own cost (computing and applying masks: `BatcherStats.grammar_s`) per
-  step and as a share of the wall time; schema-valid outputs (every one must be).
+  step and as a share of the wall time; schema-valid outputs (every one that ended must be; one
+  cut by max_tokens before the grammar's end is counted apart: JSON cut short cannot parse).
 A model draft (truncated, EAGLE head: `Drafter.grammar_masking`) runs twice under the grammar: with
 its chain drafts masked to the grammar (`grammar.DraftMasks`, the default) and without (a draft
 the grammar forbids is then only rejected at verification): acceptance with and without draft
@@ -46,7 +47,7 @@ SCHEMAS = [
 
 
 def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma: int = 4, dtype: str = "auto",
-                     batches=(1, 8), max_tokens: int = 96, rounds: int = 2, progress: bool = True) -> dict:
+                     batches=(1, 8), max_tokens: int = 128, rounds: int = 2, progress: bool = True) -> dict:
     import jsonschema
     import torch
     from tqdm import tqdm
@@ -77,7 +78,7 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                         eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
                     key = (batch, draft, str(g), constrained, masking)
                     acc = runs.setdefault(key, {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0,
-                                                "valid": 0, "outputs": 0, "grammar_s": 0.0, "passes": 0})
+                                                "valid": 0, "outputs": 0, "cut": 0, "grammar_s": 0.0, "passes": 0})
                     for i in range(0, len(work), batch):
                         chunk = work[i:i + batch]
                         reqs = [Request(f"{n}{j}", ids, SamplingParams(
@@ -93,7 +94,9 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                             acc["tokens"] += len(c.token_ids)
                             acc["drafted"] += c.stats.draft_tokens
                             acc["accepted"] += c.stats.accepted_tokens
-                            if constrained:
+                            if constrained and c.finish_reason == "length":
+                                acc["cut"] += 1  # max_tokens came before the grammar's end: cannot parse
+                            elif constrained:
                                 acc["outputs"] += 1
                                 try:
                                     jsonschema.validate(json.loads(c.text), s)
@@ -114,7 +117,7 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                      "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
                      "grammar_ms_per_pass": 1e3 * a["grammar_s"] / a["passes"] if a["passes"] else None,
                      "grammar_share": a["grammar_s"] / a["seconds"],
-                     "valid": a["valid"] / a["outputs"] if a["outputs"] else None})
+                     "valid": a["valid"] / a["outputs"] if a["outputs"] else None, "cut_by_max_tokens": a["cut"]})
     hw = hardware("cpu")
     return {"model": model, "dtype": built.engine.info.get("dtype"), "hardware": hw, "gamma": gamma,
             "max_tokens": max_tokens, "rounds": rounds, "prompts": len(work), "rows": rows}
@@ -126,14 +129,14 @@ def render(report: dict) -> str:
              f"({', '.join(hw.get('flags', []))}), {hw.get('threads')} threads; {report['prompts']} prompts, "
              f"{report['rounds']} rounds, greedy, up to {report['max_tokens']} tokens",
              f"{'batch':>5} {'draft':<8} {'γ':>4} {'grammar':>7} {'draft mask':>10} {'tok/s':>7} {'×off':>6} {'α':>5} "
-             f"{'mask ms/pass':>12} {'mask share':>10} {'valid':>6}"]
+             f"{'mask ms/pass':>12} {'mask share':>10} {'valid':>6} {'cut':>4}"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in report["rows"]:
         dm = {None: "-", True: "on", False: "off"}[r.get("draft_masking")]
         lines.append(f"{r['batch']:>5} {r['draft']:<8} {r['gamma']:>4} {str(r['grammar']):>7} {dm:>10} "
                      f"{r['tokens_per_s']:7.1f} "
                      f"{r['vs_off']:6.2f} {f(r['acceptance'], '5.2f')} {f(r['grammar_ms_per_pass'], '12.2f')} "
-                     f"{r['grammar_share']:10.1%} {f(r['valid'], '6.0%')}")
+                     f"{r['grammar_share']:10.1%} {f(r['valid'], '6.0%')} {r.get('cut_by_max_tokens', 0):>4}")
     return "\n".join(lines)
 
 
@@ -143,7 +146,7 @@ def main(args) -> int:
     report = structured_bench(args.model, tuple(args.draft or ("ngram", "default")),
                               args.gamma if args.gamma is not None else 4, args.dtype,
                               tuple(int(b) for b in args.batch_sizes.split(",")),
-                              args.max_tokens if args.max_tokens is not None else 96, args.rounds or 2)
+                              args.max_tokens if args.max_tokens is not None else 128, args.rounds or 2)
     out = Path(args.json_path or "out/bench_structured.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
