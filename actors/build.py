@@ -233,19 +233,19 @@ def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
     return ModelDrafter(LlamaRunner(draft.model), spec, max_batch=max_batch, max_len=max_len)
 
 
-def _tensor_bytes(tensors, seen: set) -> int:
+def tensor_bytes(tensors, seen: set) -> int:
     """Bytes held by `tensors` not in `seen` (storages counted once: a fused weight and the views of
     it, a truncated draft's layers shared with the target; a torchao weight by its inner tensors)."""
     total = 0
     for t in tensors:
         if isinstance(t, native.Int4Weight):
-            total += _tensor_bytes(t.tensors(), seen)
+            total += tensor_bytes(t.tensors(), seen)
             continue
         if not isinstance(t, torch.Tensor):
             continue
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
             names, _ = t.__tensor_flatten__()
-            total += _tensor_bytes([getattr(t, n) for n in names], seen)
+            total += tensor_bytes([getattr(t, n) for n in names], seen)
             continue
         key = id(t) if t.is_mkldnn or t.device.type == "meta" else t.untyped_storage().data_ptr()
         if key in seen:
@@ -264,14 +264,14 @@ def memory_report(hf_model, runner: LlamaRunner, cache, drafters: dict[str, Draf
     cache; each draft's own weights (what it does not share with the target), its KV cache and
     other state (e.g. a feature head's buffer of target features)."""
     seen: set = set()
-    out = {"target": {"weights": _tensor_bytes([*hf_model.parameters(), *_runner_tensors(runner)], seen),
-                      "kv": _tensor_bytes([cache.k, cache.v], seen)}}
+    out = {"target": {"weights": tensor_bytes([*hf_model.parameters(), *_runner_tensors(runner)], seen),
+                      "kv": tensor_bytes([cache.k, cache.v], seen)}}
     for name, d in drafters.items():
         r = getattr(d, "runner", None)
         c = getattr(d, "cache", None)
-        weights = _tensor_bytes(_runner_tensors(r), seen) if isinstance(r, LlamaRunner) else 0
-        kv = _tensor_bytes([c.k, c.v], seen) if c is not None and hasattr(c, "k") else 0
-        other = _tensor_bytes(vars(d).values(), seen)
+        weights = tensor_bytes(_runner_tensors(r), seen) if isinstance(r, LlamaRunner) else 0
+        kv = tensor_bytes([c.k, c.v], seen) if c is not None and hasattr(c, "k") else 0
+        other = tensor_bytes(vars(d).values(), seen)
         out[name] = {"weights": weights, "kv": kv, "other": other}
     return out
 
@@ -386,7 +386,8 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     `max_batch` rows is kept. dtype "auto" weighs bf16 and fp32 on a CPU (on a GPU it is bf16, or
     fp16 where bf16 is not supported, unmeasured); prepack "auto" takes or weighs the prepacked
     layout (`_layouts`). The full model is loaded once: options are timed on slices of it
-    (`_slice_costs`), and the choice alone is calibrated in full. Never a lossy (quantized) target.
+    (`_slice_costs`), and the choice alone is calibrated in full. Never an int8 (torchao) target;
+    native weights are the GGUF's own blocks, rounded as bf16 is (`native.py`).
     weights "auto" weighs a GGUF-born model's native weights too (`_native_weights`), "native"
     takes them, "dense" never. An explicit setting the CPU cannot run (dtype bf16, prepack on,
     weights native) fails here with a message naming what is missing. calibrate=False (a quantized target, calibrated as quantized by the caller): no

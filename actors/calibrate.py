@@ -204,7 +204,7 @@ def draft_step_seconds(drafter, context: list[int], target: LlamaRunner | None =
 def choose_dtype(costs: dict, expected_batch: int, label=str) -> tuple:
     """The option (a dtype, or any key: `load_target` weighs (dtype, weight layout) pairs) whose
     decode step costs least per token at the expected batch, and why (`label` names a key).
-    Lossless options only: the caller never offers a quantized target."""
+    The caller never offers an int8 target (native GGUF weights are offered: the model's own blocks)."""
     per_token = {k: c.per_token(expected_batch) for k, c in costs.items()}
     best = min(per_token, key=per_token.get)
     why = ", ".join(f"{label(k)} {s * 1e3:.1f} ms/token" for k, s in sorted(per_token.items(), key=lambda kv: kv[1]))

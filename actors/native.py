@@ -54,7 +54,6 @@ class Int4Weight:
         self.dtype, self.device = dtype, parts[0][0].device
         self.parts = [(torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2),
                        torch.stack([s, z], -1).transpose(0, 1).contiguous().to(dtype)) for q, s, z in parts]
-        self.nbytes = sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz in self.parts)
 
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.shape[1])

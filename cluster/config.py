@@ -331,6 +331,9 @@ class ClusterConfig(_Strict):
             raise ValueError("router.default_max_tokens exceeds router.max_tokens")
         if self.router.max_tokens >= self.max_len:
             raise ValueError(f"router.max_tokens ({self.router.max_tokens}) must be below max_len ({self.max_len})")
+        if self.weights == "native" and (self.verifier.quant != "none" or self.verifier.compile or self.dtype == "fp32"):
+            raise ValueError("weights: native (4-bit GGUF blocks, bf16 activations) is not combined with "
+                             "verifier.quant, verifier.compile or dtype: fp32")
         return self
 
     @property

@@ -126,9 +126,9 @@ def bandwidth_floor(runner) -> dict:
     """Bytes a single-token pass must read / memory bandwidth: the runner's weights as it holds them
     (prepacked copies, native int4 blocks and their scales), the LM head once, not the embedding
     table (a pass reads one row of it) unless the LM head is that table."""
-    from actors.build import _tensor_bytes
+    from actors.build import tensor_bytes
 
-    nbytes = _tensor_bytes([runner.lm_head, runner.norm] + [v for w in runner.layers for v in vars(w).values()],
+    nbytes = tensor_bytes([runner.lm_head, runner.norm] + [v for w in runner.layers for v in vars(w).values()],
                            set())
     big = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MB, well beyond the caches
     for _ in range(2):

@@ -117,3 +117,12 @@ def test_native_is_refused_where_it_cannot_apply():
         load_target("tiny", "auto", max_batch=1, device="cpu", weights="native")
     with pytest.raises(ValueError, match="bf16 activations; set dtype: auto or bf16"):
         load_target("smollm2", "fp32", max_batch=1, device="cpu", weights="native")
+
+
+def test_a_cluster_config_refuses_native_with_what_it_cannot_combine():
+    from cluster.config import ClusterConfig
+
+    for extra in ({"dtype": "fp32"}, {"verifier": {"quant": "int8-weight"}}, {"verifier": {"compile": True}}):
+        with pytest.raises(ValueError, match="weights: native .* is not combined with"):
+            ClusterConfig.model_validate({"model": "smollm2", "weights": "native", **extra})
+    assert ClusterConfig.model_validate({"model": "smollm2", "weights": "native"}).weights == "native"
