@@ -15,8 +15,8 @@ FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 def hardware(device: str | torch.device = "cpu") -> dict:
     """What this process computes on: the GPU's name, or the CPU model and its matmul flags,
-    plus the torch version and intra-op threads (both change pass costs), and ATen's kernel
-    instruction set where a variable lowered it."""
+    plus the torch version and intra-op threads (both change pass costs), and the instruction
+    sets ATen's and oneDNN's kernels are held to where a variable lowered them (`_isa`)."""
     dev = torch.device(device)
     info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if dev.type == "cuda":

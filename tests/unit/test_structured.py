@@ -1,7 +1,8 @@
 """Structured output under speculation (actors/grammar.py) on the embedded SmolLM2 (fp32): greedy
 output with a grammar is identical with speculation off and on (n-gram and a truncated self-draft,
-a requested token tree included: masked per node), every output parses and validates against its schema and ends
-with finish_reason "stop", and a plausible masking bug is caught."""
+its drafts masked to the grammar and not, a requested token tree included: masked per node), every
+output parses and validates against its schema and ends with finish_reason "stop", and a plausible
+masking bug is caught."""
 from __future__ import annotations
 
 import json
@@ -56,33 +57,27 @@ def structured(tok, draft, gamma, tree, max_tokens=80) -> list[Request]:
 
 
 def test_greedy_with_a_grammar_is_identical_with_speculation_and_valid(engine, smollm2):
-    outs = {}
-    for draft, gamma, tree in CONFIGS:
-        done = engine.generate(structured(smollm2.tokenizer, draft, gamma, tree))
-        for (name, (schema, _)), c in zip(SCHEMAS.items(), done):
-            jsonschema.validate(json.loads(c.text), schema)
-            assert c.finish_reason == "stop", (name, draft, c.text)
-        outs[(draft, gamma, tree)] = [c.token_ids for c in done]
-        if draft != "none":
-            assert sum(c.stats.draft_tokens for c in done) > 0
-    assert all(v == outs[("none", 0, None)] for v in outs.values()), outs
-
-
-def test_draft_masking_raises_acceptance_and_keeps_the_output(engine, smollm2):
-    """A model draft's chains masked to the grammar (`grammar.DraftMasks`, on by default) propose
-    fewer tokens the target must reject than the same draft unmasked; the output is the same."""
-    runs = {}
+    """Every configuration's output is the same, schema-valid and ends with "stop". The model draft
+    runs with its chains masked to the grammar (`grammar.DraftMasks`, the default) and without:
+    masked, it proposes fewer tokens the target must reject."""
+    outs, alpha = {}, {}
     drafter = engine.drafters["truncated:8"]
     try:
-        for masking in (True, False):
-            drafter.grammar_masking = masking
-            done = engine.generate(structured(smollm2.tokenizer, "truncated:8", 4, None))
-            runs[masking] = ([c.token_ids for c in done], sum(c.stats.accepted_tokens for c in done)
-                             / sum(c.stats.draft_tokens for c in done))
+        for draft, gamma, tree in CONFIGS + [("truncated:8", 4, "unmasked")]:
+            drafter.grammar_masking = tree != "unmasked"
+            done = engine.generate(structured(smollm2.tokenizer, draft, gamma, None if tree == "unmasked" else tree))
+            for (name, (schema, _)), c in zip(SCHEMAS.items(), done):
+                jsonschema.validate(json.loads(c.text), schema)
+                assert c.finish_reason == "stop", (name, draft, c.text)
+            outs[(draft, gamma, tree)] = [c.token_ids for c in done]
+            if draft != "none":
+                drafted = sum(c.stats.draft_tokens for c in done)
+                assert drafted > 0
+                alpha[(draft, tree)] = sum(c.stats.accepted_tokens for c in done) / drafted
     finally:
         del drafter.grammar_masking  # back to the class's
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] > runs[False][1], runs
+    assert all(v == outs[("none", 0, None)] for v in outs.values()), outs
+    assert alpha[("truncated:8", None)] > alpha[("truncated:8", "unmasked")], alpha
 
 
 def test_regex_and_choice_grammars(engine, smollm2):
