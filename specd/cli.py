@@ -159,6 +159,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="--local: only the structured-output workload (three JSON schemas, greedy) with and without "
                         "its grammar, speculation off and on per --draft (default ngram, default), at --batch-sizes; "
                         "writes out/bench_structured.json (specd/bench/structured.py)")
+    b.add_argument("--grammar-engines", action="store_true",
+                   help="--local: only llguidance (the grammar backend) against xgrammar (an optional install) on the "
+                        "structured workload's schemas: compile time, mask and verify-step time; writes "
+                        "out/grammar_engines.json (specd/bench/grammar_engines.py)")
     b.add_argument("--agent", action="store_true",
                    help="--local: only suffix decoding against n-gram and speculation off (--draft, default ngram "
                         "and suffix; γ auto) on the agent-like multi-turn sessions, the repetitive and the chat "
@@ -400,6 +404,10 @@ def _bench(args) -> int:
         from .bench import structured
 
         return structured.main(args)
+    if args.grammar_engines:
+        from .bench import grammar_engines
+
+        return grammar_engines.main(args)
     if args.agent:
         from .bench import agent
 

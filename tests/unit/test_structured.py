@@ -143,7 +143,7 @@ def _fixed_drafter(token: int):
     return Fixed()
 
 
-N_LAW = 300  # samples per law check: a planted bias still gives p < 1e-9, a true law p > 1e-3 but 1 run in 1000
+N_LAW = 200  # samples per law check: a planted bias still gives p < 1e-9, a true law p > 1e-3 but 1 run in 1000
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def law_engine(smollm2):
     tok = smollm2.tokenizer
     one = tok.encode("1", add_special_tokens=False)[0]
     return SpecEngine(LlamaRunner(smollm2.model), {"fixed": _fixed_drafter(one)}, tokenizer=tok,
-                      eos_token_ids=smollm2.eos_token_ids, max_batch=150, max_len=64,
+                      eos_token_ids=smollm2.eos_token_ids, max_batch=100, max_len=64,
                       pass_cost=PassCost({(b, t): 0.01 * t for b, t in grid(100)}))
 
 
