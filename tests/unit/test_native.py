@@ -1,9 +1,8 @@
 """Native weights (`actors/native.py`): the embedded GGUF's own Q4_1 / Q8_0 blocks in ATen's int4
 CPU layout. They are the model's weights (the blocks dequantise exactly to the fp32 model's), the
 Q8_0 split into two int4 matrices is exact, speculation over a native target is exact up to
-rounding (as over a bf16 target), and
-a CPU without the kernel (SPECD_DISABLE=int4pack) never gets them under auto and is told why
-under `weights: native`."""
+rounding (as over a bf16 target), and a CPU without the kernel (SPECD_DISABLE=int4pack) never gets
+them under auto and is told why under `weights: native`."""
 from __future__ import annotations
 
 import weakref
@@ -22,7 +21,8 @@ from helpers import chat_ids
 def test_the_blocks_dequantise_to_the_models_weights_and_a_wrong_mapping_is_refused(smollm2, monkeypatch):
     """`apply` checks every matrix against the fp32 model (raising otherwise): two layers and the
     LM head pass, and each int4 matrix computes its weight up to bf16 rounding (of its group's
-    scale and zero, and of the bf16 result). Without transformers' q/k row permutation (a plausible mapping bug) it refuses."""
+    scale and zero, and of the bf16 result). Without transformers' q/k row permutation (a
+    plausible mapping bug) it refuses."""
     runner = LlamaRunner(smollm2.model, num_layers=2)
     dense = runner.layers[0].w_gate_up.clone(), runner.lm_head.clone()
     native.apply(runner, gguf_source("smollm2"))
