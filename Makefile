@@ -38,7 +38,7 @@ test: $(STAMP)
 # The unit tests whose code chooses among the CPU paths (dtype, prepacked layout, oneDNN bf16, int8),
 # again with every optional path forced off, as on an AVX2-only CPU; the rest run the same either way.
 FALLBACK_TESTS = $(addprefix tests/unit/test_,cpu_paths.py llama.py quant.py cli.py load_memory.py families.py \
-                 eagle_formats.py device.py policy.py sampling.py tune.py drafters.py)
+                 eagle_formats.py device.py tune.py drafters.py)
 test-fallbacks: $(STAMP)
 	SPECD_DISABLE=all $(BIN)/python -m pytest -q $(FALLBACK_TESTS)
 
