@@ -10,12 +10,23 @@ import weakref
 import pytest
 import torch
 
-from actors import native
+from actors import cpu, native
 from actors.build import build_engine, load_target
 from actors.llama import LlamaRunner
 from actors.models import gguf_source
 from actors.schema import Request, SamplingParams, SpeculationParams
 from helpers import chat_ids
+
+
+@pytest.fixture(autouse=True)
+def int4_kernel_on(monkeypatch):
+    """These tests are about the int4 path itself: run it even where a run forces every optional
+    path off (`make test-fallbacks`, SPECD_DISABLE=all); its absence is tested below by name."""
+    monkeypatch.setenv(cpu.DISABLE_ENV, ",".join(sorted(cpu.forced_off() - {"int4pack"})))
+    cpu.reset()
+    yield
+    monkeypatch.undo()
+    cpu.reset()
 
 
 def test_the_blocks_dequantise_to_the_models_weights_and_a_wrong_mapping_is_refused(smollm2, monkeypatch):
