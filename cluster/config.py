@@ -131,6 +131,9 @@ class DraftConfig(DeploymentSpec):
     overlap_branches: int = Field(3, ge=1, le=16, description="verdicts prepared per block when overlapping")
     quant: QuantMode = Field("none", description="int8 mode of the draft's weights (actors/quant.py); lossless: "
                              "the target verifies every token. 'none' keeps a `specd distill --qat` head's own mode")
+    grammar_masking: bool = Field(True, description="colocated model drafts: mask each chain draft step to what a "
+                                  "request's grammar allows (fewer wasted proposals). The target masks its own "
+                                  "logits either way, so output never depends on it")
 
     @property
     def remote(self) -> bool:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, and
-vLLM's `/health`, `/ping` and `/version`.
+vLLM's `/health`, `/ping`, `/version`, `/tokenize` and `/detokenize`.
 
 A FastAPI app over one `Router` replica, which Serve mounts as that deployment's ingress
 (`RouterDeployment.__serve_build_asgi_app__`), so the HTTP proxy reaches it under the app's
@@ -44,6 +44,7 @@ router's `Status`).
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 import logging
@@ -273,6 +274,22 @@ class ChatBody(_Body):
 _BODY_FIELDS = {*CompletionBody.model_fields, *ChatBody.model_fields}
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's `/tokenize`: a prompt, or chat messages (with the generation prompt, as a chat request
+    is fed). vLLM's other fields (add_special_tokens, return_token_strs, ...) are accepted and unused:
+    the ids are the ones the server feeds the model for the same input."""
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[_Message] | None = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 def error_body(code: Status | None, message: str, param: str | None = None) -> tuple[int, dict]:
     """(HTTP status, OpenAI's error object) for a router status and its message; a 400's `param`
     is the body field the message starts with, unless given."""
@@ -354,15 +371,25 @@ def build_http_app(router: Router) -> FastAPI:
             "drafts": [{k: d[k] for k in ("name", "kind", "default", "placement", "default_gamma")}
                        for d in m["drafts"]]}]}
 
-    async def serve_body(request: Request, body: _Body, chat: bool):
+    def admit(request: Request, name: str | None) -> str | JSONResponse:
+        """The caller's tenant, or the refusal: a bad token (401), another model (404)."""
         try:
             tenant = router.authorize(request.headers.get("authorization"))
+        except RouterError as e:
+            return _refusal(e)
+        if name is not None and name != model:
+            return _error(Status.NOT_FOUND, f"model {name!r} does not exist; this server serves "
+                                            f"{model!r} (GET /v1/models)")
+        return tenant
+
+    async def serve_body(request: Request, body: _Body, chat: bool):
+        tenant = admit(request, body.model)
+        if isinstance(tenant, JSONResponse):
+            return tenant
+        try:
             timeout_s = router.timeout_s(_timeout(request))
         except RouterError as e:
             return _refusal(e)
-        if body.model != model:
-            return _error(Status.NOT_FOUND, f"model {body.model!r} does not exist; this server serves "
-                                            f"{model!r} (GET /v1/models)")
         bad = body.unsupported()
         if bad is not None:
             return _error(Status.INVALID_ARGUMENT, f"{bad} is not supported by this server (got "
@@ -425,6 +452,36 @@ def build_http_app(router: Router) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request, body: TokenizeBody):
+        """vLLM's: the prompt's token ids as this server feeds them to the model (load generators such as
+        `vllm bench serve` check their own tokenizer's prompt lengths against it)."""
+        refused = admit(request, body.model)
+        if isinstance(refused, JSONResponse):
+            return refused
+        source = {"prompt": body.prompt} if body.messages is None else {
+            "messages": [{"role": m.role, "content": m.text} for m in body.messages], "prompt": body.prompt}
+        try:
+            ids = await asyncio.to_thread(router.encode, **{k: v for k, v in source.items() if v is not None})
+        except ValueError as e:
+            return _error(Status.INVALID_ARGUMENT, str(e), param="messages" if body.messages else "prompt")
+        return {"count": len(ids), "max_model_len": router.cfg.max_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request, body: DetokenizeBody):
+        """vLLM's: the text of token ids."""
+        refused = admit(request, body.model)
+        if isinstance(refused, JSONResponse):
+            return refused
+        vocab = router.limits.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            return _error(Status.INVALID_ARGUMENT, f"tokens[{bad}] must be in [0, {vocab}), got {body.tokens[bad]}",
+                          param="tokens")
+        if router.tokenizer is None:  # a model without a tokenizer reads prompts as space-separated ids
+            return {"prompt": " ".join(map(str, body.tokens))}
+        return {"prompt": await asyncio.to_thread(router.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):

@@ -36,10 +36,11 @@ def start_heap_trim(period_s: float = HEAP_TRIM_S) -> None:
 
 
 def node_id() -> str:
-    """The Ray node this process runs on ("local" outside Ray)."""
+    """The Ray node this process runs on ("local" outside Ray). Asks Ray only when this process is
+    connected: `get_runtime_context` would otherwise start or join a cluster (a stale one: a hang)."""
     try:
         import ray
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
     except Exception:
         return "local"
 

@@ -99,6 +99,9 @@ class VerifierServer:
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
         self.engine.prefix.on = v.prefix_cache
+        for d in cfg.drafts:
+            if not d.remote and not d.grammar_masking and d.name in self.engine.drafters:
+                self.engine.drafters[d.name].grammar_masking = False
         log.info("verifier: target %s in %s (%s)", cfg.model, built.dtype, built.dtype_reason)
         self.replica = replica_id()
         self.node = node_id()

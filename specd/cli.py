@@ -158,7 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--structured", action="store_true",
                    help="--local: only the structured-output workload (three JSON schemas, greedy) with and without "
                         "its grammar, speculation off and on per --draft (default ngram, default), at --batch-sizes; "
-                        "writes out/bench_structured.json (specd/bench/structured.py)")
+                        "writes out/bench_structured.json. --serve: the same through a local cluster from --config "
+                        "(every draft it serves, or --draft, at --concurrency, default 1,8); writes "
+                        "out/bench_structured_serve.json (specd/bench/structured.py)")
     b.add_argument("--grammar-engines", action="store_true",
                    help="--local: only llguidance (the grammar backend) against xgrammar (an optional install) on the "
                         "structured workload's schemas: compile time, mask and verify-step time; writes "
@@ -384,6 +386,10 @@ def _bench(args) -> int:
         from .bench import routing
 
         return routing.main(args)
+    if args.serve and args.structured:
+        from .bench import structured
+
+        return structured.main(args)
     if args.address or args.serve:
         from .bench import cluster as bench_cluster
 

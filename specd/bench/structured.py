@@ -13,7 +13,10 @@ A model draft (truncated, EAGLE head: `Drafter.grammar_masking`) runs twice unde
 its chain drafts masked to the grammar (`grammar.DraftMasks`, the default) and without (a draft
 the grammar forbids is then only rejected at verification): acceptance with and without draft
 masking. n-gram and suffix drafts copy text and are not masked.
-Writes JSON and prints a table.
+`specd bench --serve --structured` runs the same workload through a local cluster over gRPC
+(`serve_bench`): per concurrency (default 1 and 8), every draft the config serves at its own γ
+(auto in the shipped configs), each colocated model draft also as an unmasked twin.
+Writes JSON and a table.
 """
 from __future__ import annotations
 
@@ -48,7 +51,6 @@ SCHEMAS = [
 
 def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma: int = 4, dtype: str = "auto",
                      batches=(1, 8), max_tokens: int = 128, rounds: int = 2, progress: bool = True) -> dict:
-    import jsonschema
     import torch
     from tqdm import tqdm
 
@@ -76,9 +78,7 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                 for draft, g, constrained, masking in order:
                     if draft != "none":
                         eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
-                    key = (batch, draft, str(g), constrained, masking)
-                    acc = runs.setdefault(key, {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0,
-                                                "valid": 0, "outputs": 0, "cut": 0, "grammar_s": 0.0, "passes": 0})
+                    acc = runs.setdefault((batch, draft, str(g), constrained, masking), _tally())
                     for i in range(0, len(work), batch):
                         chunk = work[i:i + batch]
                         reqs = [Request(f"{n}{j}", ids, SamplingParams(
@@ -90,50 +90,171 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                         acc["seconds"] += time.perf_counter() - t0
                         acc["grammar_s"] += eng.batcher.grammar_s - g0
                         acc["passes"] += eng.batcher.target_passes - p0
-                        for (n, s, _), c in zip(chunk, done):
-                            acc["tokens"] += len(c.token_ids)
-                            acc["drafted"] += c.stats.draft_tokens
-                            acc["accepted"] += c.stats.accepted_tokens
-                            if constrained and c.finish_reason == "length":
-                                acc["cut"] += 1  # max_tokens came before the grammar's end: cannot parse
-                            elif constrained:
-                                acc["outputs"] += 1
-                                try:
-                                    jsonschema.validate(json.loads(c.text), s)
-                                    acc["valid"] += 1
-                                except (ValueError, jsonschema.ValidationError):
-                                    pass
+                        for (_, s, _), c in zip(chunk, done):
+                            _count(acc, s if constrained else None, c.text, len(c.token_ids), c.stats.draft_tokens,
+                                   c.stats.accepted_tokens, c.finish_reason)
                     bar.update(1)
     bar.close()
+    masks = {d: type(eng.drafters[d]).grammar_masking for d in drafts}
+    return {"model": model, "dtype": built.engine.info.get("dtype"), "hardware": hardware("cpu"), "gamma": gamma,
+            "max_tokens": max_tokens, "rounds": rounds, "prompts": len(work), "side": "in-process",
+            "rows": _rows(runs, masks)}
+
+
+def _tally() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "valid": 0, "outputs": 0, "cut": 0,
+            "grammar_s": 0.0, "passes": 0}
+
+
+def _count(acc: dict, schema: dict | None, text: str, tokens: int, drafted: int, accepted: int, finish: str) -> None:
+    """One output into a configuration's tally; schema: the grammar's (None: free text). An output
+    cut by max_tokens before the grammar's end cannot parse and is counted apart."""
+    import jsonschema
+
+    acc["tokens"] += tokens
+    acc["drafted"] += drafted
+    acc["accepted"] += accepted
+    if schema is None:
+        return
+    if finish == "length":
+        acc["cut"] += 1
+        return
+    acc["outputs"] += 1
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        acc["valid"] += 1
+    except (ValueError, jsonschema.ValidationError):
+        pass
+
+
+def _rows(runs: dict, masks: dict[str, bool]) -> list[dict]:
+    """runs: (batch or concurrency, draft, γ, grammar, draft masking) -> tally; masks: per draft,
+    whether it masks its drafts to a grammar (the column is "-" for the others)."""
     rows = []
     for (batch, draft, g, constrained, masking), a in sorted(runs.items(),
                                                             key=lambda kv: (kv[0][0], kv[0][3] is False)):
         base = runs[(batch, "none", "0", constrained, True)]
         tps = a["tokens"] / a["seconds"]
-        masks = constrained and draft != "none" and type(eng.drafters[draft]).grammar_masking
         rows.append({"batch": batch, "draft": draft, "gamma": g, "grammar": constrained,
-                     "draft_masking": masking if masks else None, "tokens_per_s": tps,
+                     "draft_masking": masking if constrained and masks.get(draft) else None, "tokens_per_s": tps,
                      "vs_off": tps / (base["tokens"] / base["seconds"]),
                      "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
                      "grammar_ms_per_pass": 1e3 * a["grammar_s"] / a["passes"] if a["passes"] else None,
                      "grammar_share": a["grammar_s"] / a["seconds"],
                      "valid": a["valid"] / a["outputs"] if a["outputs"] else None, "cut_by_max_tokens": a["cut"]})
-    hw = hardware("cpu")
-    return {"model": model, "dtype": built.engine.info.get("dtype"), "hardware": hw, "gamma": gamma,
-            "max_tokens": max_tokens, "rounds": rounds, "prompts": len(work), "rows": rows}
+    return rows
+
+
+# ---------------------------------------------------------------------------------- through a cluster
+def _is_model_draft(d) -> bool:
+    return not d.remote and d.spec.partition(":")[0] not in ("ngram", "suffix")
+
+
+def serve_config(base, drafts, concurrency):
+    """The cluster `serve_bench` starts: `base` with one verifier replica (so the grammar's cost is
+    one replica's accounting) wide enough for the top concurrency, remote drafts on one replica,
+    only `drafts` (all when empty), and beside each colocated model draft its twin NAME-unmasked
+    (`grammar_masking: false`)."""
+    v = base.verifier.model_copy(update={
+        "max_batch": max(base.verifier.max_batch, max(concurrency)),
+        "autoscaling": base.verifier.autoscaling.model_copy(update={"min_replicas": 1, "max_replicas": 1})})
+    chosen = [d for d in base.drafts if not drafts or d.name in drafts]
+    missing = set(drafts or ()) - {d.name for d in chosen}
+    if missing:
+        raise ValueError(f"--draft {sorted(missing)}: the config serves {[d.name for d in base.drafts]}")
+    one = lambda d: d.model_copy(update={"autoscaling": d.autoscaling.model_copy(  # noqa: E731
+        update={"min_replicas": 1, "max_replicas": 1})}) if d.remote else d
+    twins = [d.model_copy(update={"name": f"{d.name}-unmasked", "grammar_masking": False})
+             for d in chosen if _is_model_draft(d)]
+    return base.model_copy(update={"grpc_port": 0, "http_port": 0, "verifier": v,
+                                   "drafts": [one(d) for d in chosen] + twins})
+
+
+def serve_bench(config_path: str, drafts=(), concurrency=(1, 8), max_tokens: int = 128, rounds: int = 2,
+                progress: bool = True) -> dict:
+    """The structured workload through a local cluster started from `config_path` (`serve_config`),
+    over gRPC with the SDK: per concurrency, each draft at its configured γ (auto in the shipped
+    configs) against speculation off, with and without the grammar; a colocated model draft also
+    unmasked. The grammar's cost per target pass from the verifier's batcher accounting (a Serve handle)."""
+    import concurrent.futures as cf
+
+    from ray import serve
+    from tqdm import tqdm
+
+    from actors.hardware import hardware
+    from cluster import serve as S
+    from cluster.config import ClusterConfig
+    from cluster.serve import wait_serving
+    from specd_client import SpecdClient
+
+    from .records import verifier_stats
+
+    cfg = serve_config(ClusterConfig.load(config_path), drafts, concurrency)
+    names = [d.name for d in cfg.drafts if not d.name.endswith("-unmasked")]
+    masks = {d.name: _is_model_draft(d) for d in cfg.drafts}
+    work = [(s, ask) for _, s, asks in SCHEMAS for ask in asks]
+    # (draft sent, draft reported, constrained, draft masking)
+    configs = [(n, n, c, True) for n in ["none", *names] for c in (True, False)]
+    configs += [(f"{n}-unmasked", n, True, False) for n in names if masks[n]]
+    runs: dict = {}
+    address = S.start(cfg)
+    try:
+        verifier = serve.get_deployment_handle("Verifier", app_name=cfg.app_name)
+        with SpecdClient(address, timeout=600) as client:
+            wait_serving(client, timeout=300)
+            info = client.list_models()
+            gammas = {d.name: str(d.default_gamma) for d in info.drafts}
+
+            def one(sent, constrained, item, tokens):
+                schema, ask = item
+                return client.generate(messages=[{"role": "user", "content": ask}], max_tokens=tokens,
+                                       temperature=0.0, draft=sent, gamma=0 if sent == "none" else None,
+                                       grammar=("json_schema", json.dumps(schema)) if constrained else None)
+
+            for sent, _, constrained, _ in configs:  # warm-up, untimed: every draft and schema once
+                for _, s, asks in SCHEMAS:
+                    one(sent, constrained, (s, asks[0]), 8)
+            bar = tqdm(total=rounds * len(concurrency) * len(configs), desc="structured bench --serve",
+                       disable=not progress)
+            for r in range(rounds):
+                for c in concurrency:
+                    for sent, draft, constrained, masking in (configs if r % 2 == 0 else configs[::-1]):
+                        key = (c, draft, "0" if draft == "none" else gammas.get(sent, "auto"), constrained, masking)
+                        acc = runs.setdefault(key, _tally())
+                        b0 = verifier_stats(verifier)["batcher"]
+                        t0 = time.perf_counter()
+                        with cf.ThreadPoolExecutor(c) as ex:
+                            done = list(ex.map(lambda w: one(sent, constrained, w, max_tokens), work))
+                        acc["seconds"] += time.perf_counter() - t0
+                        b1 = verifier_stats(verifier)["batcher"]
+                        acc["grammar_s"] += b1["grammar_s"] - b0["grammar_s"]
+                        acc["passes"] += b1["target_passes"] - b0["target_passes"]
+                        for (s, _), res in zip(work, done):
+                            st = res.spec_stats or {}
+                            _count(acc, s if constrained else None, res.text, len(res.token_ids),
+                                   st.get("draft_tokens", 0), st.get("accepted_tokens", 0), res.finish_reason)
+                        bar.update(1)
+            bar.close()
+            ver = [x for x in client.stats().replicas if x.role == "verifier"]
+    finally:
+        S.stop()
+    return {"model": info.target, "dtype": ver[0].dtype if ver else cfg.dtype, "hardware": hardware("cpu"),
+            "gamma": "per draft (the config's default)", "max_tokens": max_tokens, "rounds": rounds,
+            "prompts": len(work), "side": f"cluster ({config_path}, gRPC)", "rows": _rows(runs, masks)}
 
 
 def render(report: dict) -> str:
     hw = report["hardware"]
-    lines = [f"structured output, {report['model']} ({report['dtype']}), {hw.get('name')} "
-             f"({', '.join(hw.get('flags', []))}), {hw.get('threads')} threads; {report['prompts']} prompts, "
-             f"{report['rounds']} rounds, greedy, up to {report['max_tokens']} tokens",
-             f"{'batch':>5} {'draft':<8} {'γ':>4} {'grammar':>7} {'draft mask':>10} {'tok/s':>7} {'×off':>6} {'α':>5} "
+    col = "batch" if report.get("side", "in-process") == "in-process" else "conc"
+    lines = [f"structured output, {report['model']} ({report['dtype']}), {report.get('side', 'in-process')}, "
+             f"{hw.get('name')} ({', '.join(hw.get('flags', []))}), {hw.get('threads')} threads; "
+             f"{report['prompts']} prompts, {report['rounds']} rounds, greedy, up to {report['max_tokens']} tokens",
+             f"{col:>5} {'draft':<12} {'γ':>4} {'grammar':>7} {'draft mask':>10} {'tok/s':>7} {'×off':>6} {'α':>5} "
              f"{'mask ms/pass':>12} {'mask share':>10} {'valid':>6} {'cut':>4}"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in report["rows"]:
         dm = {None: "-", True: "on", False: "off"}[r.get("draft_masking")]
-        lines.append(f"{r['batch']:>5} {r['draft']:<8} {r['gamma']:>4} {str(r['grammar']):>7} {dm:>10} "
+        lines.append(f"{r['batch']:>5} {r['draft']:<12} {r['gamma']:>4} {str(r['grammar']):>7} {dm:>10} "
                      f"{r['tokens_per_s']:7.1f} "
                      f"{r['vs_off']:6.2f} {f(r['acceptance'], '5.2f')} {f(r['grammar_ms_per_pass'], '12.2f')} "
                      f"{r['grammar_share']:10.1%} {f(r['valid'], '6.0%')} {r.get('cut_by_max_tokens', 0):>4}")
@@ -141,16 +262,27 @@ def render(report: dict) -> str:
 
 
 def main(args) -> int:
+    """`specd bench --local --structured` or `specd bench --serve --structured [--config FILE]`."""
     from pathlib import Path
 
-    report = structured_bench(args.model, tuple(args.draft or ("ngram", "default")),
-                              args.gamma if args.gamma is not None else 4, args.dtype,
-                              tuple(int(b) for b in args.batch_sizes.split(",")),
-                              args.max_tokens if args.max_tokens is not None else 128, args.rounds or 2)
-    out = Path(args.json_path or "out/bench_structured.json")
+    max_tokens = args.max_tokens if args.max_tokens is not None else 128
+    if args.serve:
+        from cluster.config import LOCAL_CONFIG
+
+        report = serve_bench(args.config or LOCAL_CONFIG, tuple(args.draft or ()),
+                             tuple(int(c) for c in (args.concurrency or "1,8").split(",")), max_tokens,
+                             args.rounds or 2)
+        out = Path(args.json_path or "out/bench_structured_serve.json")
+    else:
+        report = structured_bench(args.model, tuple(args.draft or ("ngram", "default")),
+                                  args.gamma if args.gamma is not None else 4, args.dtype,
+                                  tuple(int(b) for b in args.batch_sizes.split(",")), max_tokens, args.rounds or 2)
+        out = Path(args.json_path or "out/bench_structured.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(render(report))
-    print(f"wrote {out}")
-    bad = [r for r in report["rows"] if r["grammar"] and r["valid"] != 1.0]
+    text = render(report)
+    out.with_suffix(".txt").write_text(text)
+    print(text)
+    print(f"wrote {out} (.txt)")
+    bad = [r for r in report["rows"] if r["grammar"] and r["valid"] is not None and r["valid"] < 1.0]
     return 1 if bad else 0

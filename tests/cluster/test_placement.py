@@ -12,6 +12,8 @@ second application on it (`specd-chat`, the embedded chat model) serves chat com
 import json
 import re
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -403,6 +405,36 @@ def test_openai_chat_completions_equal_the_grpc_path(chat_app):
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
+def test_vllm_tokenize_and_detokenize_match_what_the_server_feeds(chat_app):
+    """vLLM's /tokenize and /detokenize under the app's prefix (`vllm bench serve` aligns its prompt
+    lengths with them): a chat's ids are the ones the completion counts as its prompt, a prompt's
+    text comes back from its ids, and the errors are the API's (401, 404, 400 naming the field)."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    r = openai_client(prefix="/chat").chat.completions.create(model="smollm2", messages=messages, max_tokens=1)
+    root, auth = f"http://{S.http_address()}/chat", {"Authorization": f"Bearer {TOKEN}"}
+
+    def post(path: str, body: dict, headers=auth) -> tuple[int, dict]:
+        req = urllib.request.Request(root + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, tok = post("/tokenize", {"model": "smollm2", "messages": messages})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == r.usage.prompt_tokens
+    assert tok["max_model_len"] == 256
+    text = "The quick brown fox"
+    ids = post("/tokenize", {"model": "smollm2", "prompt": text, "add_special_tokens": False})[1]["tokens"]
+    assert post("/detokenize", {"model": "smollm2", "tokens": ids}) == (200, {"prompt": text})
+    status, bad = post("/detokenize", {"model": "smollm2", "tokens": [1, 10 ** 6]})
+    assert status == 400 and bad["error"]["param"] == "tokens"
+    assert "tokens[1] must be in [0, 49152)" in bad["error"]["message"]
+    assert post("/tokenize", {"model": "other", "prompt": text})[0] == 404
+    assert post("/tokenize", {"prompt": text}, headers={})[0] == 401
+
+
 class Person(pydantic.BaseModel):
     name: str
     age: int
@@ -443,7 +475,6 @@ def test_openai_overload_is_429_and_coalescing_applies(chat_app):
 # ---- Prometheus metrics ----------------------------------------------------------------------------
 def scrape() -> list:
     """Every sample on every node's metrics endpoint."""
-    import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
