@@ -41,6 +41,7 @@ class Row:
     probs: torch.Tensor | None = None  # [k, V] the draft's distribution (sampled rows of stochastic drafters)
     draft_s: float = 0.0  # seconds its draft took (the per-request stats)
     shadow: list[int] | None = None  # drafts proposed only to be compared, never verified (policy)
+    forced: bool = False  # the drafts are the tokens its grammar forces (`grammar.forced_drafts`), no drafter's
 
     @property
     def rule(self) -> str:

@@ -37,7 +37,7 @@ from .beam import BeamGroup, BeamSearch
 from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Features, Flight, feature_columns, feature_union, gather, launch
-from .grammar import Grammars
+from .grammar import Grammars, forced_drafts
 from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .penalties import Penalties
@@ -384,6 +384,7 @@ class SpecEngine:
         KV rollback, features, drafter views, policy observations, commits."""
         rows, B = batch.rows, len(batch.rows)
         t1 = time.perf_counter()
+        forced_drafts(rows, self.pass_cost)  # rows without drafts whose grammar forces the next tokens
         batch.to_device(self.device)
         starts = [self.cache.lengths[r.seq.slot] for r in rows]
         hidden, feats = self._forward([r.seq.slot for r in rows], batch.feed, [len(r.drafts) + 1 for r in rows],
@@ -413,10 +414,11 @@ class SpecEngine:
             self.cache.truncate(s.slot, starts[b] + 1 + len(v.path))
             if feats is not None:
                 self.feature_store.keep(s.slot, feats[b, [0] + v.path])
-            if r.drafts and r.parents is None:
+            if r.drafts and r.parents is None and not r.forced:
                 s.view.accepted(len(v.path))  # its view: committed + k drafts, of which a survive
-            s.stats.record(len(r.drafts), len(v.path), max(depths(r.parents)) if r.parents is not None else None)
-            if r.drafts and s.req.draft == AUTO_DRAFT:
+            drafted, accepted = (0, 0) if r.forced else (len(r.drafts), len(v.path))  # forced: the grammar's
+            s.stats.record(drafted, accepted, max(depths(r.parents)) if r.parents is not None else None)
+            if r.drafts and not r.forced and s.req.draft == AUTO_DRAFT:
                 self.selector.observe(s.key, s.draft, len(v.path))
             s.stats.draft_s += r.draft_s
             s.stats.verify_s += t2 - t1
@@ -435,7 +437,7 @@ class SpecEngine:
         self.batcher.rows_verified += B
         t3 = time.perf_counter()
         self.batcher.verify_s += t3 - t1
-        if self.policy is not None:  # what the policy's last choice realized: committed tokens per second
+        if self.policy is not None and not any(r.forced for r in rows):  # what its last choice realized
             self.policy.observe_step(sum(len(v.path) + 1 for v in verdicts),
                                      t3 - t1 + max((r.draft_s for r in rows), default=0.0))
 
@@ -446,7 +448,7 @@ class SpecEngine:
         for name, idx, _ in batch.groups:
             for is_tree in (False, True):
                 sub = [b for b in idx if rows[b].drafts and (rows[b].parents is not None) == is_tree
-                       and rows[b].seq.beam is None]
+                       and rows[b].seq.beam is None and not rows[b].forced]
                 if sub:
                     self.policy.observe_verified(name, [len(rows[b].drafts) for b in sub],
                                                  [len(verdicts[b].path) for b in sub], tree=is_tree)

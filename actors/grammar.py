@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import feed_paths
+from .schema import AUTO_MAX_GAMMA
 from .schema import GRAMMAR_KINDS as KINDS
 from .sequence import common_prefix
 
@@ -52,6 +53,20 @@ def grammar_text(kind: str, spec: str) -> str:
                                        spec)
     except ValueError as e:  # (json.JSONDecodeError included)
         raise ValueError(f"sampling.grammar ({kind}) does not compile: {e}") from None
+
+
+def compact_json(schema: str) -> str:
+    """A JSON schema whose output has no optional whitespace (`{"a":1,"b":2}`): llguidance's
+    `x-guidance` option, which a gRPC client may also set in its schema. Fewer tokens, and more of
+    them forced by the grammar (keys, separators), which `forced_drafts` drafts for free."""
+    try:
+        obj = json.loads(schema)
+    except ValueError:
+        return schema  # the grammar's compiler names what is wrong
+    if not isinstance(obj, dict):
+        return schema
+    options = obj.get("x-guidance") if isinstance(obj.get("x-guidance"), dict) else {}
+    return json.dumps({**obj, "x-guidance": {**options, "whitespace_flexible": False}})
 
 
 class Grammars:
@@ -132,6 +147,40 @@ class Constraint:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (only an end-of-sequence token)."""
         return self.matcher.is_stopped()
+
+
+JUMP_FORWARD = True  # `forced_drafts` on (the structured bench switches it off to measure what it buys)
+
+
+def forced_drafts(rows: list, cost, limit: int = AUTO_MAX_GAMMA) -> None:
+    """Jump-forward drafts: a speculating row that drafted nothing this step (the policy chose γ 0,
+    or its drafter found nothing) and whose grammar forces its next tokens (the bytes every allowed
+    continuation starts with, as llguidance tokenizes them: `compute_ff_tokens`) gets those
+    tokens as a chain draft (`Row.forced`). They are verified like any draft (their q is one-hot,
+    as an n-gram's), so the output is unchanged; the target may still prefer another tokenization
+    of the same bytes. They cost nothing to draft, but a longer row widens the whole pass: rows are
+    widened to the width W that maximizes (rows + forced tokens within W) / cost(rows, W + 1), the
+    target's calibrated pass cost (without one, never past the pass's current width)."""
+    if not JUMP_FORWARD:
+        return
+    forced = {}
+    for b, r in enumerate(rows):
+        s = r.seq
+        if r.drafts or s.constraint is None or s.beam is not None or s.req.draft is None:
+            continue
+        room = s.req.sampling.max_tokens - len(s.output) - 1
+        ff = s.constraint.matcher.compute_ff_tokens()[:max(0, min(room, limit))]
+        if ff:
+            forced[b] = ff
+    if not forced:
+        return
+    B, width = len(rows), max(len(r.drafts) for r in rows)
+    if cost is not None:
+        gain = lambda w: (B + sum(min(len(ff), w) for ff in forced.values())) / cost(B, w + 1)  # noqa: E731
+        width = max({width, *(len(ff) for ff in forced.values() if len(ff) > width)}, key=gain)
+    for b, ff in forced.items():
+        if width:  # a chain with a one-hot q (an empty tree's parents and probabilities go)
+            rows[b].drafts, rows[b].parents, rows[b].probs, rows[b].forced = ff[:width], None, None, True
 
 
 class DraftMasks:

@@ -18,8 +18,8 @@ speculation; `n` up to MAX_N choices, independent generations, seeded seed, seed
 reproducible; `presence_penalty`, `frequency_penalty`; `response_format` json_object /
 json_schema) a body may carry vLLM's `ignore_eos`, `repetition_penalty` (actors/penalties.py:
 lossless under speculation), `return_token_ids` and structured outputs (`structured_outputs` with json, regex, choice or
-grammar, or the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: see
-actors/grammar.py, lossless under speculation), and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
+grammar, and `disable_any_whitespace` for compact JSON, or the older `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`: see actors/grammar.py, lossless under speculation), and specd's controls: `draft`, `gamma` (0..16 or "auto"), `tree`,
 `threshold`, `entropy_gate`, `acceptance`, `top_k`, `num_beams`, `length_penalty`,
 `early_stopping`, `request_id` (for Abort). As vLLM does, a field the server does not know is
 accepted and named in one warning log line per request. A field that would change the output in
@@ -57,6 +57,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.grammar import compact_json
 from actors.schema import AUTO, MAX_GAMMA, MAX_SEED, Delta, SamplingParams, SpecStats, SpeculationParams
 
 from .router import Router, RouterError, Status
@@ -149,6 +150,7 @@ class _Body(BaseModel):
             elif kind != "text":
                 raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
         so = dict(self.structured_outputs or {})
+        compact = bool(so.pop("disable_any_whitespace", False))  # vLLM's: JSON without optional whitespace
         for name, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
                             ("grammar", self.guided_grammar)):
             if value is not None:
@@ -164,7 +166,9 @@ class _Body(BaseModel):
                 raise ValueError(f"structured_outputs.{name} is not supported (json, regex, choice, grammar)")
         if len(found) > 1:
             raise ValueError("give one structured output: response_format, structured_outputs or a guided_* field")
-        return found[0] if found else None  # vLLM's extension: generate max_tokens whatever EOS
+        if compact and found and found[0][0] in ("json_schema", "json_object"):
+            found[0] = ("json_schema", compact_json(found[0][1] or '{"type": "object"}'))
+        return found[0] if found else None
     # specd's controls
     top_k: Annotated[int, Field(ge=0, le=INT32)] | None = None
     num_beams: Annotated[int, Field(ge=0, le=2 ** 32 - 1)] | None = None

@@ -161,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
                         "writes out/bench_structured.json. --serve: the same through a local cluster from --config "
                         "(every draft it serves, or --draft, at --concurrency, default 1,8); writes "
                         "out/bench_structured_serve.json (specd/bench/structured.py)")
+    b.add_argument("--compact-json", action="store_true",
+                   help="--local --structured: the schemas without optional whitespace (vLLM's disable_any_whitespace; "
+                        "more tokens forced by the grammar, drafted for free)")
     b.add_argument("--grammar-engines", action="store_true",
                    help="--local: only llguidance (the grammar backend) against xgrammar (an optional install) on the "
                         "structured workload's schemas: compile time, mask and verify-step time; writes "

@@ -12,7 +12,9 @@ machine noise hits all alike:
 A model draft (truncated, EAGLE head: `Drafter.grammar_masking`) runs twice under the grammar: with
 its chain drafts masked to the grammar (`grammar.DraftMasks`, the default) and without (a draft
 the grammar forbids is then only rejected at verification): acceptance with and without draft
-masking. n-gram and suffix drafts copy text and are not masked.
+masking. n-gram and suffix drafts copy text and are not masked. Each draft at γ auto also runs
+without jump-forward drafts (`grammar.forced_drafts`: the tokens a grammar forces, drafted for a row
+that drafted nothing).
 `specd bench --serve --structured` runs the same workload through a local cluster over gRPC
 (`serve_bench`): per concurrency (default 1 and 8), every draft the config serves at its own γ
 (auto in the shipped configs), each colocated model draft also as an unmasked twin.
@@ -50,24 +52,30 @@ SCHEMAS = [
 
 
 def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma: int = 4, dtype: str = "auto",
-                     batches=(1, 8), max_tokens: int = 128, rounds: int = 2, progress: bool = True) -> dict:
+                     batches=(1, 8), max_tokens: int = 128, rounds: int = 2, progress: bool = True,
+                     compact: bool = False) -> dict:
+    """compact: the schemas without optional whitespace (`grammar.compact_json`, vLLM's
+    `disable_any_whitespace`)."""
     import torch
     from tqdm import tqdm
 
+    from actors import grammar
     from actors.build import build_engine
     from actors.hardware import hardware
     from actors.schema import Request, SamplingParams, SpeculationParams
     from actors.text import encode_prompt
 
+    spec = (lambda s: grammar.compact_json(json.dumps(s))) if compact else json.dumps  # noqa: E731
     built = build_engine(model, {d: d for d in drafts}, dtype, max_batch=max(batches), max_len=512)
     eng, tok = built.engine, built.target.tokenizer
     work = [(name, schema, encode_prompt(tok, messages=[{"role": "user", "content": ask}]))
             for name, schema, asks in SCHEMAS for ask in asks]
-    # (draft, γ, constrained, draft masking): free prompts once per draft and γ, grammar ones with and
-    # without masking where the draft masks
-    configs = [(d, g, c, m) for d, g in [("none", 0)] + [(d, g) for d in drafts for g in (gamma, "auto")]
+    # (draft, γ, constrained, draft masking, jump-forward): free prompts once per draft and γ, grammar
+    # ones with and without masking where the draft masks, and at γ auto without jump-forward drafts
+    configs = [(d, g, c, m, True) for d, g in [("none", 0)] + [(d, g) for d in drafts for g in (gamma, "auto")]
                for c in (True, False)
                for m in ((True, False) if c and d != "none" and eng.drafters[d].grammar_masking else (True,))]
+    configs += [(d, "auto", True, True, False) for d in drafts]
     runs: dict = {}
     total = rounds * len(batches) * len(configs)
     bar = tqdm(total=total, desc="structured bench", disable=not progress)
@@ -75,14 +83,15 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
         for r in range(rounds):
             for batch in batches:
                 order = configs if r % 2 == 0 else configs[::-1]
-                for draft, g, constrained, masking in order:
+                for draft, g, constrained, masking, forced in order:
                     if draft != "none":
                         eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
-                    acc = runs.setdefault((batch, draft, str(g), constrained, masking), _tally())
+                    grammar.JUMP_FORWARD = forced
+                    acc = runs.setdefault((batch, draft, str(g), constrained, masking, forced), _tally())
                     for i in range(0, len(work), batch):
                         chunk = work[i:i + batch]
                         reqs = [Request(f"{n}{j}", ids, SamplingParams(
-                            max_tokens=max_tokens, grammar=("json_schema", json.dumps(s)) if constrained else None),
+                            max_tokens=max_tokens, grammar=("json_schema", spec(s)) if constrained else None),
                             SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
                         g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
                         t0 = time.perf_counter()
@@ -95,9 +104,11 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                                    c.stats.accepted_tokens, c.finish_reason)
                     bar.update(1)
     bar.close()
+    grammar.JUMP_FORWARD = True
     masks = {d: type(eng.drafters[d]).grammar_masking for d in drafts}
     return {"model": model, "dtype": built.engine.info.get("dtype"), "hardware": hardware("cpu"), "gamma": gamma,
             "max_tokens": max_tokens, "rounds": rounds, "prompts": len(work), "side": "in-process",
+            "compact_json": compact,
             "rows": _rows(runs, masks)}
 
 
@@ -128,15 +139,16 @@ def _count(acc: dict, schema: dict | None, text: str, tokens: int, drafted: int,
 
 
 def _rows(runs: dict, masks: dict[str, bool]) -> list[dict]:
-    """runs: (batch or concurrency, draft, γ, grammar, draft masking) -> tally; masks: per draft,
-    whether it masks its drafts to a grammar (the column is "-" for the others)."""
+    """runs: (batch or concurrency, draft, γ, grammar, draft masking, jump-forward) -> tally; masks:
+    per draft, whether it masks its drafts to a grammar (the column is "-" for the others)."""
     rows = []
-    for (batch, draft, g, constrained, masking), a in sorted(runs.items(),
+    for (batch, draft, g, constrained, masking, forced), a in sorted(runs.items(),
                                                             key=lambda kv: (kv[0][0], kv[0][3] is False)):
-        base = runs[(batch, "none", "0", constrained, True)]
+        base = runs[(batch, "none", "0", constrained, True, True)]
         tps = a["tokens"] / a["seconds"]
         rows.append({"batch": batch, "draft": draft, "gamma": g, "grammar": constrained,
-                     "draft_masking": masking if constrained and masks.get(draft) else None, "tokens_per_s": tps,
+                     "draft_masking": masking if constrained and masks.get(draft) else None,
+                     "jump_forward": forced if constrained and draft != "none" else None, "tokens_per_s": tps,
                      "vs_off": tps / (base["tokens"] / base["seconds"]),
                      "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
                      "grammar_ms_per_pass": 1e3 * a["grammar_s"] / a["passes"] if a["passes"] else None,
@@ -219,7 +231,8 @@ def serve_bench(config_path: str, drafts=(), concurrency=(1, 8), max_tokens: int
             for r in range(rounds):
                 for c in concurrency:
                     for sent, draft, constrained, masking in (configs if r % 2 == 0 else configs[::-1]):
-                        key = (c, draft, "0" if draft == "none" else gammas.get(sent, "auto"), constrained, masking)
+                        key = (c, draft, "0" if draft == "none" else gammas.get(sent, "auto"), constrained, masking,
+                               True)
                         acc = runs.setdefault(key, _tally())
                         b0 = verifier_stats(verifier)["batcher"]
                         t0 = time.perf_counter()
@@ -246,15 +259,17 @@ def serve_bench(config_path: str, drafts=(), concurrency=(1, 8), max_tokens: int
 def render(report: dict) -> str:
     hw = report["hardware"]
     col = "batch" if report.get("side", "in-process") == "in-process" else "conc"
-    lines = [f"structured output, {report['model']} ({report['dtype']}), {report.get('side', 'in-process')}, "
+    lines = [f"structured output{' (compact JSON)' if report.get('compact_json') else ''}, {report['model']} "
+             f"({report['dtype']}), {report.get('side', 'in-process')}, "
              f"{hw.get('name')} ({', '.join(hw.get('flags', []))}), {hw.get('threads')} threads; "
              f"{report['prompts']} prompts, {report['rounds']} rounds, greedy, up to {report['max_tokens']} tokens",
-             f"{col:>5} {'draft':<12} {'γ':>4} {'grammar':>7} {'draft mask':>10} {'tok/s':>7} {'×off':>6} {'α':>5} "
+             f"{col:>5} {'draft':<12} {'γ':>4} {'grammar':>7} {'draft mask':>10} {'jump-fwd':>8} {'tok/s':>7} "
+             f"{'×off':>6} {'α':>5} "
              f"{'mask ms/pass':>12} {'mask share':>10} {'valid':>6} {'cut':>4}"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in report["rows"]:
-        dm = {None: "-", True: "on", False: "off"}[r.get("draft_masking")]
-        lines.append(f"{r['batch']:>5} {r['draft']:<12} {r['gamma']:>4} {str(r['grammar']):>7} {dm:>10} "
+        dm, jf = ({None: "-", True: "on", False: "off"}[r.get(k)] for k in ("draft_masking", "jump_forward"))
+        lines.append(f"{r['batch']:>5} {r['draft']:<12} {r['gamma']:>4} {str(r['grammar']):>7} {dm:>10} {jf:>8} "
                      f"{r['tokens_per_s']:7.1f} "
                      f"{r['vs_off']:6.2f} {f(r['acceptance'], '5.2f')} {f(r['grammar_ms_per_pass'], '12.2f')} "
                      f"{r['grammar_share']:10.1%} {f(r['valid'], '6.0%')} {r.get('cut_by_max_tokens', 0):>4}")
@@ -276,7 +291,8 @@ def main(args) -> int:
     else:
         report = structured_bench(args.model, tuple(args.draft or ("ngram", "default")),
                                   args.gamma if args.gamma is not None else 4, args.dtype,
-                                  tuple(int(b) for b in args.batch_sizes.split(",")), max_tokens, args.rounds or 2)
+                                  tuple(int(b) for b in args.batch_sizes.split(",")), max_tokens, args.rounds or 2,
+                                  compact=args.compact_json)
         out = Path(args.json_path or "out/bench_structured.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

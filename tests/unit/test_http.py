@@ -269,7 +269,13 @@ def test_structured_output_fields_become_the_requests_grammar(served):
              ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
              ({"guided_choice": ["a", "b"]}, ("choice", json.dumps(["a", "b"]))),
              ({"guided_json": schema}, ("json_schema", json.dumps(schema))),
-             ({"response_format": {"type": "text"}}, None)]
+             ({"response_format": {"type": "text"}}, None),
+             # vLLM's disable_any_whitespace: llguidance's compact JSON (keys and separators forced)
+             ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+              ("json_schema", json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}}))),
+             ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+              ("json_schema", json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": False}}))),
+             ({"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}}, ("regex", "[0-9]+"))]
     from cluster.http import CompletionBody
 
     for extra, want in cases:

@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+import actors.engine as engine_mod
 import actors.grammar as grammar_mod
 from actors.drafters import ModelDrafter, NgramDrafter
 from actors.engine import SpecEngine
@@ -208,3 +209,30 @@ def test_the_law_check_catches_accepting_every_allowed_draft(smollm2, law_engine
     monkeypatch.setattr(acceptance_mod, "verify_sampled", accept_all)
     pvalue, counts, _ = _digit_law(smollm2, law_engine, seeded=False)
     assert pvalue < 1e-9, counts
+
+
+CHOICES = ["The quick brown fox jumps over the lazy dog near the river bank",
+           "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod"]
+
+
+def test_forced_tokens_are_drafted_for_free_and_change_nothing(engine, smollm2, monkeypatch):
+    """Jump-forward drafts (`grammar.forced_drafts`): once a choice's first token is out, the grammar
+    forces the rest; a speculating row that drafted nothing gets it as drafts and the target accepts
+    it in a few passes, the output unchanged. Speculation off gets none. Without the forced drafts
+    (the plausible bug: never computing them) it takes a pass per token."""
+    ask = encode_prompt(smollm2.tokenizer, messages=[{"role": "user", "content": "Say a sentence."}])
+
+    def run(draft: str, gamma: int) -> tuple[list[int], int]:
+        p0 = engine.batcher.target_passes
+        done = engine.generate([Request(f"choice {draft}", ask, SamplingParams(
+            max_tokens=40, grammar=("choice", json.dumps(CHOICES))), SpeculationParams(draft=draft, gamma=gamma))])
+        assert done[0].text in CHOICES and done[0].finish_reason == "stop"
+        return done[0].token_ids, engine.batcher.target_passes - p0
+
+    off, off_passes = run("none", 0)
+    assert off_passes >= len(off) - 1  # a pass per token after the first (prefill's)
+    on, on_passes = run("ngram", 4)
+    assert on == off and on_passes <= len(off) // 3, (on_passes, len(off))
+    monkeypatch.setattr(engine_mod, "forced_drafts", lambda rows, cost: None)
+    bare, bare_passes = run("ngram", 4)
+    assert bare == off and bare_passes >= len(off) - 1
