@@ -153,7 +153,8 @@ def _rows(runs: dict, masks: dict[str, bool]) -> list[dict]:
                      "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
                      "grammar_ms_per_pass": 1e3 * a["grammar_s"] / a["passes"] if a["passes"] else None,
                      "grammar_share": a["grammar_s"] / a["seconds"],
-                     "valid": a["valid"] / a["outputs"] if a["outputs"] else None, "cut_by_max_tokens": a["cut"]})
+                     "valid": a["valid"] / a["outputs"] if a["outputs"] else None, "cut_by_max_tokens": a["cut"],
+                     "tokens": a["tokens"]})
     return rows
 
 
