@@ -30,18 +30,24 @@ def hub_cache(root: Path, repo: str, model_dir: Path, commit: str = COMMIT) -> P
     return snap
 
 
-def load_offline(spec: str, cache: Path) -> subprocess.CompletedProcess:
-    """Load `spec` in a fresh process whose environment sends the hub offline and at `cache`
-    (huggingface_hub reads both when it is imported)."""
-    code = ("import json, torch\nfrom actors.models import load_model\n"
-            f"m = load_model({spec!r})\n"
-            "ids = torch.tensor([[5, 6, 7, 8]])\n"
-            "with torch.inference_mode():\n"
-            "    nxt = m.model(ids).logits[0, -1].argmax().item()\n"
-            "print(json.dumps({'name': m.name, 'type': m.model.config.model_type, 'next': nxt}))\n")
+def load_offline(specs: list[str], cache: Path) -> list[dict]:
+    """Load each of `specs` in one fresh process whose environment sends the hub offline and at
+    `cache` (huggingface_hub reads both when it is imported): per spec, what loaded, or the error."""
+    code = ("import json, sys, torch\nfrom actors.models import load_model\n"
+            "for spec in sys.argv[1:]:\n"
+            "    try:\n"
+            "        m = load_model(spec)\n"
+            "    except Exception as e:\n"
+            "        print(json.dumps({'error': f'{type(e).__name__}: {e}'}))\n"
+            "        continue\n"
+            "    with torch.inference_mode():\n"
+            "        nxt = m.model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1].argmax().item()\n"
+            "    print(json.dumps({'name': m.name, 'type': m.model.config.model_type, 'next': nxt}))\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
     env.pop("HF_HOME", None)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run([sys.executable, "-c", code, *specs], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
 
 
 def test_hub_id_loads_offline_from_the_cache_layout(tmp_path):
@@ -52,15 +58,11 @@ def test_hub_id_loads_offline_from_the_cache_layout(tmp_path):
 
     with torch.inference_mode():
         want = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1].argmax().item()
-    for spec in ("acme/tiny-qwen3", f"acme/tiny-qwen3@{COMMIT}"):  # the main ref, and a pinned revision
-        out = load_offline(spec, cache)
-        assert out.returncode == 0, out.stderr[-2000:]
-        got = json.loads(out.stdout.strip().splitlines()[-1])
-        assert got == {"name": "acme/tiny-qwen3", "type": "qwen3", "next": want}
-    missing = load_offline("acme/not-cached", cache)  # offline and not in the cache: a clear error
-    assert missing.returncode != 0
-    assert "HF_HUB_OFFLINE=1 is set and the local hub cache" in missing.stderr
-    assert "acme/not-cached" in missing.stderr
+    # the main ref, a pinned revision, and one offline and not in the cache: a clear error
+    main, pinned, missing = load_offline(["acme/tiny-qwen3", f"acme/tiny-qwen3@{COMMIT}", "acme/not-cached"], cache)
+    assert main == pinned == {"name": "acme/tiny-qwen3", "type": "qwen3", "next": want}
+    assert "HF_HUB_OFFLINE=1 is set and the local hub cache" in missing["error"]
+    assert "acme/not-cached" in missing["error"]
 
 
 def test_specs_and_served_names(tmp_path):

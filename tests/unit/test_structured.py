@@ -35,13 +35,13 @@ SCHEMAS = {
         "in_stock": {"type": "boolean"}}, "required": ["color", "size", "in_stock"], "additionalProperties": False},
               "A large blue shirt that is in stock, as JSON."),
 }
-CONFIGS = [("none", 0, None), ("truncated:8", 4, None), ("ngram", 4, 16)]  # each drafter; chains and trees
+CONFIGS = [("none", 0, None), ("truncated:4", 4, None), ("ngram", 4, 16)]  # each drafter; chains and trees
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
     m = smollm2.model
-    drafters = {"ngram": NgramDrafter(), "truncated:8": ModelDrafter.truncated(m, 8, max_batch=4, max_len=512)}
+    drafters = {"ngram": NgramDrafter(), "truncated:4": ModelDrafter.truncated(m, 4, max_batch=4, max_len=512)}
     return SpecEngine(LlamaRunner(m), drafters, tokenizer=smollm2.tokenizer, eos_token_ids=smollm2.eos_token_ids,
                       max_batch=4, max_len=512)
 
@@ -62,9 +62,9 @@ def test_greedy_with_a_grammar_is_identical_with_speculation_and_valid(engine, s
     runs with its chains masked to the grammar (`grammar.DraftMasks`, the default) and without:
     masked, it proposes fewer tokens the target must reject."""
     outs, alpha = {}, {}
-    drafter = engine.drafters["truncated:8"]
+    drafter = engine.drafters["truncated:4"]
     try:
-        for draft, gamma, tree in CONFIGS + [("truncated:8", 4, "unmasked")]:
+        for draft, gamma, tree in CONFIGS + [("truncated:4", 4, "unmasked")]:
             drafter.grammar_masking = tree != "unmasked"
             done = engine.generate(structured(smollm2.tokenizer, draft, gamma, None if tree == "unmasked" else tree))
             for (name, (schema, _)), c in zip(SCHEMAS.items(), done):
@@ -78,7 +78,7 @@ def test_greedy_with_a_grammar_is_identical_with_speculation_and_valid(engine, s
     finally:
         del drafter.grammar_masking  # back to the class's
     assert all(v == outs[("none", 0, None)] for v in outs.values()), outs
-    assert alpha[("truncated:8", None)] > alpha[("truncated:8", "unmasked")], alpha
+    assert alpha[("truncated:4", None)] > alpha[("truncated:4", "unmasked")], alpha
 
 
 def test_regex_and_choice_grammars(engine, smollm2):
