@@ -79,37 +79,38 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
     runs: dict = {}
     total = rounds * len(batches) * len(configs)
     bar = tqdm(total=total, desc="structured bench", disable=not progress)
-    with torch.inference_mode():
-        for r in range(rounds):
-            for batch in batches:
-                order = configs if r % 2 == 0 else configs[::-1]
-                for draft, g, constrained, masking, forced in order:
-                    if draft != "none":
-                        eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
-                    grammar.JUMP_FORWARD = forced
-                    acc = runs.setdefault((batch, draft, str(g), constrained, masking, forced), _tally())
-                    for i in range(0, len(work), batch):
-                        chunk = work[i:i + batch]
-                        reqs = [Request(f"{n}{j}", ids, SamplingParams(
-                            max_tokens=max_tokens, grammar=("json_schema", spec(s)) if constrained else None),
-                            SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
-                        g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
-                        t0 = time.perf_counter()
-                        done = eng.generate(reqs)
-                        acc["seconds"] += time.perf_counter() - t0
-                        acc["grammar_s"] += eng.batcher.grammar_s - g0
-                        acc["passes"] += eng.batcher.target_passes - p0
-                        for (_, s, _), c in zip(chunk, done):
-                            _count(acc, s if constrained else None, c.text, len(c.token_ids), c.stats.draft_tokens,
-                                   c.stats.accepted_tokens, c.finish_reason)
-                    bar.update(1)
+    try:
+        with torch.inference_mode():
+            for r in range(rounds):
+                for batch in batches:
+                    order = configs if r % 2 == 0 else configs[::-1]
+                    for draft, g, constrained, masking, forced in order:
+                        if draft != "none":
+                            eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
+                        grammar.JUMP_FORWARD = forced
+                        acc = runs.setdefault((batch, draft, str(g), constrained, masking, forced), _tally())
+                        for i in range(0, len(work), batch):
+                            chunk = work[i:i + batch]
+                            reqs = [Request(f"{n}{j}", ids, SamplingParams(
+                                max_tokens=max_tokens, grammar=("json_schema", spec(s)) if constrained else None),
+                                SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
+                            g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
+                            t0 = time.perf_counter()
+                            done = eng.generate(reqs)
+                            acc["seconds"] += time.perf_counter() - t0
+                            acc["grammar_s"] += eng.batcher.grammar_s - g0
+                            acc["passes"] += eng.batcher.target_passes - p0
+                            for (_, s, _), c in zip(chunk, done):
+                                _count(acc, s if constrained else None, c.text, len(c.token_ids), c.stats.draft_tokens,
+                                       c.stats.accepted_tokens, c.finish_reason)
+                        bar.update(1)
+    finally:
+        grammar.JUMP_FORWARD = True
     bar.close()
-    grammar.JUMP_FORWARD = True
     masks = {d: type(eng.drafters[d]).grammar_masking for d in drafts}
     return {"model": model, "dtype": built.engine.info.get("dtype"), "hardware": hardware("cpu"), "gamma": gamma,
             "max_tokens": max_tokens, "rounds": rounds, "prompts": len(work), "side": "in-process",
-            "compact_json": compact,
-            "rows": _rows(runs, masks)}
+            "compact_json": compact, "rows": _rows(runs, masks)}
 
 
 def _tally() -> dict:
