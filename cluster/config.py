@@ -139,11 +139,16 @@ class DraftConfig(DeploymentSpec):
     def remote(self) -> bool:
         return self.placement == "remote"
 
+    @property
+    def model_free(self) -> bool:
+        """n-gram or suffix: drafts copied from text, no model behind them."""
+        return self.spec.partition(":")[0] in ("ngram", "suffix")
+
     @model_validator(mode="after")
     def _gamma(self):
         if self.default_gamma != "auto" and not 0 <= self.default_gamma <= MAX_GAMMA:
             raise ValueError(f"default_gamma must be 'auto' or in [0, {MAX_GAMMA}], got {self.default_gamma}")
-        if self.remote and (self.spec.partition(":")[0] in ("ngram", "suffix")):
+        if self.remote and self.model_free:
             raise ValueError(f"draft {self.name!r}: a model-free draft (n-gram, suffix) runs colocated "
                              "(a hop costs more than it saves)")
         return self

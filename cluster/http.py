@@ -254,6 +254,11 @@ class _Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+def _turns(messages: list[_Message]) -> list[dict]:
+    """Chat messages as `Router.encode` takes them."""
+    return [{"role": m.role, "content": m.text} for m in messages]
+
+
 class ChatBody(_Body):
     messages: list[_Message]
     max_completion_tokens: Int32 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
@@ -272,7 +277,7 @@ class ChatBody(_Body):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def source(self) -> dict:
-        return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+        return {"messages": _turns(self.messages)}
 
 
 _BODY_FIELDS = {*CompletionBody.model_fields, *ChatBody.model_fields}
@@ -464,10 +469,9 @@ def build_http_app(router: Router) -> FastAPI:
         refused = admit(request, body.model)
         if isinstance(refused, JSONResponse):
             return refused
-        source = {"prompt": body.prompt} if body.messages is None else {
-            "messages": [{"role": m.role, "content": m.text} for m in body.messages], "prompt": body.prompt}
-        try:
-            ids = await asyncio.to_thread(router.encode, **{k: v for k, v in source.items() if v is not None})
+        try:  # (both or neither of prompt and messages: the router's 400)
+            ids = await asyncio.to_thread(router.encode, prompt=body.prompt,
+                                          messages=None if body.messages is None else _turns(body.messages))
         except ValueError as e:
             return _error(Status.INVALID_ARGUMENT, str(e), param="messages" if body.messages else "prompt")
         return {"count": len(ids), "max_model_len": router.cfg.max_len, "tokens": ids, "token_strs": None}

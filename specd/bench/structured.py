@@ -76,34 +76,35 @@ def structured_bench(model: str = "smollm2", drafts=("ngram", "default"), gamma:
                for c in (True, False)
                for m in ((True, False) if c and d != "none" and eng.drafters[d].grammar_masking else (True,))]
     configs += [(d, "auto", True, True, False) for d in drafts]
+    def run(acc: dict, batch: int, draft: str, g, constrained: bool) -> None:
+        """The nine prompts, `batch` at a time, into one configuration's tally."""
+        for i in range(0, len(work), batch):
+            chunk = work[i:i + batch]
+            reqs = [Request(f"{n}{j}", ids, SamplingParams(
+                max_tokens=max_tokens, grammar=("json_schema", spec(s)) if constrained else None),
+                SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
+            g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
+            t0 = time.perf_counter()
+            done = eng.generate(reqs)
+            acc["seconds"] += time.perf_counter() - t0
+            acc["grammar_s"] += eng.batcher.grammar_s - g0
+            acc["passes"] += eng.batcher.target_passes - p0
+            for (_, s, _), c in zip(chunk, done):
+                _count(acc, s if constrained else None, c.text, len(c.token_ids), c.stats.draft_tokens,
+                       c.stats.accepted_tokens, c.finish_reason)
+
     runs: dict = {}
-    total = rounds * len(batches) * len(configs)
-    bar = tqdm(total=total, desc="structured bench", disable=not progress)
+    bar = tqdm(total=rounds * len(batches) * len(configs), desc="structured bench", disable=not progress)
     try:
         with torch.inference_mode():
-            for r in range(rounds):
-                for batch in batches:
-                    order = configs if r % 2 == 0 else configs[::-1]
-                    for draft, g, constrained, masking, forced in order:
-                        if draft != "none":
-                            eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
-                        grammar.JUMP_FORWARD = forced
-                        acc = runs.setdefault((batch, draft, str(g), constrained, masking, forced), _tally())
-                        for i in range(0, len(work), batch):
-                            chunk = work[i:i + batch]
-                            reqs = [Request(f"{n}{j}", ids, SamplingParams(
-                                max_tokens=max_tokens, grammar=("json_schema", spec(s)) if constrained else None),
-                                SpeculationParams(draft=draft, gamma=g)) for j, (n, s, ids) in enumerate(chunk)]
-                            g0, p0 = eng.batcher.grammar_s, eng.batcher.target_passes
-                            t0 = time.perf_counter()
-                            done = eng.generate(reqs)
-                            acc["seconds"] += time.perf_counter() - t0
-                            acc["grammar_s"] += eng.batcher.grammar_s - g0
-                            acc["passes"] += eng.batcher.target_passes - p0
-                            for (_, s, _), c in zip(chunk, done):
-                                _count(acc, s if constrained else None, c.text, len(c.token_ids), c.stats.draft_tokens,
-                                       c.stats.accepted_tokens, c.finish_reason)
-                        bar.update(1)
+            for r, batch in ((r, b) for r in range(rounds) for b in batches):
+                for draft, g, constrained, masking, forced in (configs if r % 2 == 0 else configs[::-1]):
+                    if draft != "none":
+                        eng.drafters[draft].grammar_masking = masking and type(eng.drafters[draft]).grammar_masking
+                    grammar.JUMP_FORWARD = forced
+                    run(runs.setdefault((batch, draft, str(g), constrained, masking, forced), _tally()),
+                        batch, draft, g, constrained)
+                    bar.update(1)
     finally:
         grammar.JUMP_FORWARD = True
     bar.close()
@@ -160,10 +161,6 @@ def _rows(runs: dict, masks: dict[str, bool]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------- through a cluster
-def _is_model_draft(d) -> bool:
-    return not d.remote and d.spec.partition(":")[0] not in ("ngram", "suffix")
-
-
 def serve_config(base, drafts, concurrency):
     """The cluster `serve_bench` starts: `base` with one verifier replica (so the grammar's cost is
     one replica's accounting) wide enough for the top concurrency, remote drafts on one replica,
@@ -179,7 +176,7 @@ def serve_config(base, drafts, concurrency):
     one = lambda d: d.model_copy(update={"autoscaling": d.autoscaling.model_copy(  # noqa: E731
         update={"min_replicas": 1, "max_replicas": 1})}) if d.remote else d
     twins = [d.model_copy(update={"name": f"{d.name}-unmasked", "grammar_masking": False})
-             for d in chosen if _is_model_draft(d)]
+             for d in chosen if not d.remote and not d.model_free]
     return base.model_copy(update={"grpc_port": 0, "http_port": 0, "verifier": v,
                                    "drafts": [one(d) for d in chosen] + twins})
 
@@ -205,7 +202,7 @@ def serve_bench(config_path: str, drafts=(), concurrency=(1, 8), max_tokens: int
 
     cfg = serve_config(ClusterConfig.load(config_path), drafts, concurrency)
     names = [d.name for d in cfg.drafts if not d.name.endswith("-unmasked")]
-    masks = {d.name: _is_model_draft(d) for d in cfg.drafts}
+    masks = {d.name: not d.remote and not d.model_free for d in cfg.drafts}
     work = [(s, ask) for _, s, asks in SCHEMAS for ask in asks]
     # (draft sent, draft reported, constrained, draft masking)
     configs = [(n, n, c, True) for n in ["none", *names] for c in (True, False)]
