@@ -13,6 +13,8 @@ on a tiny tensor before anything chooses it:
   prepack-fp32  fp32 weights in oneDNN's prepacked layout (fp32 matmuls otherwise go to MKL)
   int4pack      ATen's CPU int4 matmul over bf16 activations (`_weight_int4pack_mm_for_cpu`), what
                 a GGUF-born model's native weights run in (`native.py`)
+  attn-kernel   the row-invariant attention kernel (`kernels/attention.cpp`), built with the machine's
+                compiler on first use; without it exact passes run one SDPA call per query row
 
 A path whose trial raises (or computes something else) is never chosen by "auto"; an explicit
 setting that needs it fails at load with `require`'s message, naming what the CPU lacks and
@@ -20,7 +22,7 @@ what to set instead.
 
 `SPECD_DISABLE` forces trials to fail, so that a developer on an AMX Xeon runs the code paths of
 an AVX2 machine: a comma-separated list of the names above, or "all" for every fast path
-(prepack-bf16, prepack-fp32 and int4pack; bf16 itself only by name, since every CPU runs it). Forcing
+(prepack-bf16, prepack-fp32, int4pack and attn-kernel; bf16 itself only by name, since every CPU runs it). Forcing
 prepack-bf16 off also switches off ATen's oneDNN route for bf16 matmuls
 (`torch.backends.mkldnn.enabled`), as that CPU check would. `reset()` re-reads the variable
 (tests set it through a fixture).
@@ -45,8 +47,9 @@ PATHS = {
     "prepack-bf16": "oneDNN's prepacked bf16 layout (and bf16 matmuls through oneDNN)",
     "prepack-fp32": "oneDNN's prepacked fp32 layout",
     "int4pack": "ATen's int4 CPU matmul (native GGUF weights)",
+    "attn-kernel": "the compiled row-invariant attention kernel",
 }
-FAST_PATHS = ("prepack-bf16", "prepack-fp32", "int4pack")  # what SPECD_DISABLE=all forces off
+FAST_PATHS = ("prepack-bf16", "prepack-fp32", "int4pack", "attn-kernel")  # what SPECD_DISABLE=all forces off
 _MKLDNN_DEFAULT = torch.backends.mkldnn.enabled
 
 
@@ -163,9 +166,16 @@ def _trial_int4pack() -> None:
     _close(Int4Weight([(q, scale, zero)])(x.bfloat16()), F.linear(x, dense), 0.1)
 
 
+def _trial_attn_kernel() -> None:
+    from .kernels import trial
+
+    trial()
+
+
 _TRIALS = {"bf16": _trial_bf16,
            "prepack-bf16": lambda: _trial_prepack(torch.bfloat16),
            "prepack-fp32": lambda: _trial_prepack(torch.float32),
-           "int4pack": _trial_int4pack}
+           "int4pack": _trial_int4pack,
+           "attn-kernel": _trial_attn_kernel}
 
 reset()

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu
+from . import cpu, kernels
 from .native import Int4Weight
 
 
@@ -190,6 +190,11 @@ class LlamaRunner:
         self.quant = "none"  # or an int8 mode set by `actors.quant.quantize_runner`
         self.prepacked = False  # see `prepack`
         self.native = False  # GGUF blocks in ATen's int4 layout: `actors.native.apply`
+        # Row-invariant passes (`make_exact`): attention by `kernels.attention`, each linear called as
+        # its probed `kernels.RowPlan` says (by `_kind`), so every width computes a row's bits alike.
+        self.exact = False
+        self.compiled = False  # see `compile`
+        self.plans: dict[tuple, kernels.RowPlan] = {}
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
 
@@ -348,15 +353,20 @@ class LlamaRunner:
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
             kc[slot_idx, positions] = k.to(kc.dtype)
             vc[slot_idx, positions] = v.to(vc.dtype)
-            keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
-            vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
-            q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
-            if self.attn_softcap is None:
-                a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
-                                                   scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
+            if self.exact:  # [B, T, H * D]: each query row in one order at every width
+                a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
+                                      self.scaling, self.attn_softcap)
             else:
-                a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
-                                          self.attn_softcap)
+                keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
+                vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
+                q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
+                if self.attn_softcap is None:
+                    a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                                                       scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
+                else:
+                    a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
+                                              self.attn_softcap)
+                a = a.transpose(1, 2).reshape(B, T, -1)
             x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down, w.bo, w.post_attn_norm,
                                 w.post_mlp_norm)
             if li in features:
@@ -426,7 +436,7 @@ class LlamaRunner:
             h = torch.cat([rms(e, attn_norm, self.eps), rms(f, hidden_norm, self.eps)], -1)
         else:
             h = x if attn_norm is None else rms(x, attn_norm, self.eps)
-        qkv = linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
+        qkv = self.linear(h, wqkv, bqkv)  # [B, T, (H + 2Hkv) D]
         H, Hkv = self.n_heads, self.n_kv
         heads = qkv.view(B, T, H + 2 * Hkv, self.head_dim)
         if q_norm is not None:
@@ -437,19 +447,44 @@ class LlamaRunner:
         return q, k, v
 
     def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down, bo=None, post_attn_norm=None, post_mlp_norm=None):
-        """x [B, T, E], attention output a [B, H, T, D] -> the layer's output [B, T, E]. With Gemma's
+        """x [B, T, E], attention output a [B, T, H * D] -> the layer's output [B, T, E]. With Gemma's
         sandwich norms: x + post_attn_norm(o), then + post_mlp_norm(mlp(mlp_norm(x)))."""
-        B, T = x.shape[:2]
-        o = linear(a.transpose(1, 2).reshape(B, T, -1).to(x.dtype), wo, bo)
+        o = self.linear(a.to(x.dtype), wo, bo)
         if post_attn_norm is not None:
             o = self.rms(o, post_attn_norm, self.eps)
         x = x + o
         h = self.rms(x, mlp_norm, self.eps)
-        gate, up = linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        m = linear(self.act(gate) * up, w_down)
+        gate, up = self.linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
+        m = self.linear(self.act(gate) * up, w_down)
         if post_mlp_norm is not None:
             m = self.rms(m, post_mlp_norm, self.eps)
         return x + m
+
+    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear`, called as the weight's row plan says where the runner is exact."""
+        if not self.exact:
+            return linear(x, w, b)
+        return kernels.apply_plan(lambda c: linear(c, w, b), x, self.plans[_kind(w, b)])
+
+    def weights(self) -> list[tuple]:
+        """Every (weight, bias) this runner's passes multiply by: the layers' projections, the LM head."""
+        return [wb for w in self.layers for wb in ((w.wqkv, w.bqkv), (w.wo, w.bo), (w.w_gate_up, None),
+                                                    (w.w_down, None))] + [(self.lm_head, None)]
+
+    def make_exact(self) -> "LlamaRunner":
+        """Make every pass row-invariant (`kernels`): attention in one order per query row, and each
+        distinct linear probed once (per process, on this runner's own weight) for the calls whose
+        rows agree with the row alone. `self.plans` says what each probe found; a plan that is not
+        `cheap` is what `exact` settings weigh (build.py). Not with `compile` (Inductor's kernels)."""
+        if self.compiled:
+            raise ValueError("exact passes and torch.compile do not mix: compiled kernels choose their own order")
+        for w, b in self.weights():
+            key = _kind(w, b)
+            if key not in self.plans:
+                self.plans[key] = _PLANS.get(key) or _PLANS.setdefault(key, kernels.probe_plan(
+                    lambda c, w=w, b=b: linear(c, w, b), w.shape[1], w.dtype, self.device))
+        self.exact = True
+        return self
 
     def compile(self) -> "LlamaRunner":
         """Opt-in: compile the dense math of a decoder layer (norms, fused projections, RoPE,
@@ -461,8 +496,11 @@ class LlamaRunner:
         from .models import cache_dir
 
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        if self.exact:
+            raise ValueError("torch.compile and exact passes do not mix: compiled kernels choose their own order")
         self._pre_attn = torch.compile(self._pre_attn, dynamic=True)
         self._post_attn = torch.compile(self._post_attn, dynamic=True)
+        self.compiled = True
         return self
 
     def prepack(self) -> "LlamaRunner":
@@ -493,7 +531,7 @@ class LlamaRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., E] -> logits [..., V] (in the model dtype); Gemma's final soft-capping,
         cap * tanh(logits / cap), where the config sets one."""
-        out = linear(hidden, self.lm_head)
+        out = self.linear(hidden, self.lm_head)
         if self.final_softcap is not None:
             out = torch.tanh(out / self.final_softcap) * self.final_softcap
         return out
@@ -503,9 +541,8 @@ class LlamaRunner:
         layers' at every bucket, the LM head's up to 256 rows (each warmed row costs a full LM
         head, 57 MFLOP with SmolLM2's; a wider pass, e.g. verifying a full batch of token trees,
         compiles its bucket on first use)."""
-        layers = [wb for w in self.layers for wb in ((w.wqkv, w.bqkv), (w.wo, w.bo), (w.w_gate_up, None),
-                                                     (w.w_down, None))]
-        return warm_linears(layers) + warm_linears([(self.lm_head, None)], max_rows=256)
+        *layers, head = self.weights()
+        return warm_linears(layers) + warm_linears([head], max_rows=256)
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"}
@@ -632,6 +669,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         outs.append(_linear(F.pad(c, (0, 0, 0, pad)) if pad else c, w, b)[:n])
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+_PLANS: dict = {}  # `_kind` -> the kernels.RowPlan its probe found: one probe per kind and process
+
+
+def _kind(w, b) -> tuple:
+    """What decides a linear's kernel: the weight's type, layout, dtype and shape, and a bias or not."""
+    return type(w), w.is_mkldnn, w.dtype, tuple(w.shape), b is None
 
 
 _WARMED: set = set()  # (kind of weight, rows) whose kernel this process has compiled

@@ -1,0 +1,201 @@
+"""Kernels whose result for a row does not depend on the pass around it (issue "lossless means
+identical"): the single-token pass and every wider pass (a chain of drafts, a token tree, a batch,
+a prefill chunk) compute a row's logits and the KV it writes with the same bits.
+
+Owns two things:
+  attention   over the runner's slotted KV cache: a C++ kernel (`attention.cpp`, built once per
+              machine with `torch.utils.cpp_extension` into the specd cache) that reduces each query
+              row over its visible keys in one fixed order; where it cannot be built (no compiler,
+              `SPECD_DISABLE=attn-kernel`, a GPU), `attention_per_row`: one SDPA call per query row
+              over exactly its visible keys, gathered, which is row-invariant by construction (the
+              same call, on the same inputs, for every width) but slow for wide passes.
+  row plans   for matmuls (`row_plan`): a linear kernel whose rows depend on how many rows a call
+              has (MKL's fp32 GEMV against its GEMM; oneDNN's bf16 past 32 rows on an AMX Xeon) is
+              probed once per weight shape at load, on the loaded weight, and then called over
+              chunks of at most `chunk` rows, each padded to `pad` rows where fixed-shape calls are
+              what agree. The probe compares every row of calls of 2..64 rows with the same row run
+              alone, bitwise.
+
+Does not know: models, requests, or whether exactness is asked for (the runner's `exact`).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("specd")
+SOURCE = Path(__file__).with_name("attention.cpp")
+
+
+def _cpu_tag() -> str:
+    """The build's key: the source, torch's version and this CPU's flags (a build for one CPU's ISA
+    never runs on another that shares the cache)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    h = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode())
+    return h.hexdigest()[:12]
+
+
+@functools.cache
+def extension():
+    """The compiled attention kernel, built on first use into the specd cache (about a minute on
+    2 cores, once per machine), or None where it cannot be built; why is logged once."""
+    from ..models import cache_dir
+
+    tag = _cpu_tag()
+    build = cache_dir() / "kernels" / tag
+    build.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-ffp-contract=fast"]
+    import platform
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(name=f"specd_attention_{tag}", sources=[str(SOURCE)], extra_cflags=flags,
+                                  build_directory=str(build), verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the fallback serves
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        log.warning("specd: the attention kernel could not be built (%s); attention runs one SDPA call per "
+                    "query row instead (exact, slower for wide passes)", msg[:300])
+        return None
+
+
+def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+              lo: int, end: int, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Each query row over its visible keys, in one order at every width.
+    q [B, T, H, D]; kc, vc [S, L, Hkv, D] (one layer's cache); slots int64 [B]; mask bool [B, T, end - lo]
+    or None (every key in [lo, end) visible). Returns [B, T, H * D] in kc's dtype."""
+    from .. import cpu
+
+    q = q.to(kc.dtype)
+    if kc.device.type == "cpu" and kc.dtype == torch.float32 and cpu.available("attn-kernel"):
+        m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
+        return extension().attend(q, kc, vc, slots, m, lo, end, scale, softcap or 0.0)
+    return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap)
+
+
+def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None) -> torch.Tensor:
+    """`attention` as one SDPA call per query row over exactly its visible keys, gathered into a
+    fresh [1, Hkv, n, D] block: the same call (shapes, strides, values) for a row at every width.
+    (Gemma2's soft-capped scores: the eager softmax over them, also per row.)"""
+    B, T, H, D = q.shape
+    Hkv = kc.shape[2]
+    out = q.new_empty(B, T, H * D)
+    keys = torch.arange(lo, end, device=kc.device)
+    for b in range(B):
+        slot = int(slots[b])
+        for t in range(T):
+            idx = keys if mask is None else keys[mask[b, t]]
+            k = kc[slot].index_select(0, idx).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            v = vc[slot].index_select(0, idx).transpose(0, 1)[None]
+            qr = q[b, t][None, :, None, :]  # [1, H, 1, D]
+            if softcap:
+                s = torch.matmul(qr.reshape(1, Hkv, H // Hkv, D), k.transpose(2, 3)) * scale
+                p = torch.softmax(torch.tanh(s / softcap) * softcap, dim=-1, dtype=torch.float32).to(q.dtype)
+                a = torch.matmul(p, v)
+            else:
+                a = F.scaled_dot_product_attention(qr, k, v, scale=scale, enable_gqa=Hkv != H)
+            out[b, t] = a.reshape(H * D)
+    return out
+
+
+def trial() -> None:
+    """`cpu.probe("attn-kernel")`'s trial: the kernel builds, and computes attention (checked against
+    SDPA to fp32 rounding, with a mask)."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the attention kernel could not be built (see the log)")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    kc, vc = torch.randn(3, 8, 2, 16, generator=g), torch.randn(3, 8, 2, 16, generator=g)
+    slots = torch.tensor([2, 0])
+    mask = torch.rand(2, 3, 6, generator=g) > 0.3
+    mask[..., 0] = True
+    got = ext.attend(q, kc, vc, slots, mask, 1, 7, 0.25, 0.0)
+    want = attention_per_row(q, kc, vc, slots, mask, 1, 7, 0.25)
+    if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+        raise RuntimeError(f"computed {got.flatten()[:3].tolist()}, expected {want.flatten()[:3].tolist()}")
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a linear kernel is called so that each row's result is the one it gets alone: over chunks
+    of at most `chunk` rows, each padded to `pad` rows (0: not padded)."""
+    chunk: int
+    pad: int = 0
+    why: str = ""
+
+    @property
+    def cheap(self) -> bool:
+        """Whether the plan costs little: a row-by-row plan re-reads the weight for every row."""
+        return self.chunk >= 8
+
+    def label(self) -> str:
+        return f"rows<={self.chunk}" + (f" padded to {self.pad}" if self.pad else "")
+
+
+PROBE_ROWS = 64
+UNBOUNDED = 1 << 30
+
+
+def probe_plan(fn, k: int, dtype: torch.dtype, device) -> RowPlan:
+    """The plan for the kernel `fn(x [M, k]) -> [M, N]`, found by trial: the largest chunk c (all
+    of 2..PROBE_ROWS, else 32, 16, 8, 4, 2) such that every call of 2..c rows gives each row the
+    bits it gets alone; failing that, calls of a fixed 8 or 4 rows (padded), where every row agrees
+    with the same row padded alone; failing that, one row per call."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(PROBE_ROWS * 2, k, generator=g).to(dtype=dtype, device=device)
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(PROBE_ROWS)])
+
+    def agrees(m: int) -> bool:
+        return torch.equal(fn(x[:m]), alone[:m])
+
+    sizes = [2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64]
+    bad = next((m for m in sizes if not agrees(m)), None)
+    if bad is None:
+        big = fn(x)  # 128 rows: a kernel that agrees up to 64 is trusted with longer chunks too
+        if torch.equal(big[:PROBE_ROWS], alone):
+            return RowPlan(UNBOUNDED, 0, "every width agrees")
+        return RowPlan(PROBE_ROWS, 0, "agrees up to 64 rows")
+    fits = [m for m in sizes if m < bad]
+    if fits and fits[-1] >= 2:
+        c = 1 << int(math.log2(fits[-1]))
+        return RowPlan(c, 0, f"rows of a {bad}-row call differ from the row alone")
+    for pad in (8, 4):
+        padded = torch.cat([fn(F.pad(x[i:i + 1], (0, 0, 0, pad - 1)))[:1] for i in range(pad * 2)])
+        if all(torch.equal(fn(x[j:j + pad]), padded[j:j + pad]) for j in (0, pad)):
+            return RowPlan(pad, pad, f"rows depend on the call's rows ({bad} differ); fixed {pad}-row calls agree")
+    return RowPlan(1, 0, "rows depend on the call's rows at every width")
+
+
+def apply_plan(fn, x: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """fn over x [..., K] called as `plan` says."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m <= plan.chunk and not plan.pad:
+        return fn(x)
+    x2 = x.reshape(m, k)
+    outs = []
+    for i in range(0, m, plan.chunk):
+        c = x2[i:i + plan.chunk]
+        n = c.shape[0]
+        outs.append(fn(F.pad(c, (0, 0, 0, plan.pad - n)))[:n] if plan.pad > n else fn(c))
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
