@@ -39,7 +39,7 @@ from .models import (
     resolve_model_path,
     vocab_fingerprint,
 )
-from .schema import PREPACK_CHOICES, WEIGHTS_CHOICES
+from .schema import EXACT_CHOICES, PREPACK_CHOICES, WEIGHTS_CHOICES
 from .tune_profile import matching
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
@@ -378,8 +378,66 @@ def _require_prepack(dtype: str) -> None:
                 "prepack: auto or off" + (", or dtype: fp32" if dtype == "bf16" else ""))
 
 
+def with_exact(runner: LlamaRunner, exact: str = "auto") -> LlamaRunner:
+    """The runner with row-invariant passes (`LlamaRunner.make_exact`) as the `exact` setting says:
+    "require" always (a linear whose rows agree only one at a time is then called one row at a
+    time); "auto" where that costs little: not on a GPU (no row-invariant attention kernel there yet:
+    one SDPA call per query row would be the price), not with torch.compile, and not where a
+    linear's probe leaves row-by-row calls; "off" never. `runner.exact_why` says which, and why."""
+    if exact not in EXACT_CHOICES:
+        raise ValueError(f"exact must be one of {list(EXACT_CHOICES)}, got {exact!r}")
+    if exact == "off":
+        runner.exact_why = "exact: off (the kernels' own order; greedy output may part at near-ties)"
+        return runner
+    if runner.compiled:
+        if exact == "require":
+            raise ValueError("exact: require is not combined with compile (Inductor's kernels choose their own order)")
+        runner.exact_why = "compile: Inductor's kernels choose their own reduction order"
+        return runner
+    if runner.device.type != "cpu" and exact == "auto":
+        runner.exact_why = (f"{runner.device.type}: no row-invariant attention kernel for this device yet "
+                            f"(exact: require runs one SDPA call per query row)")
+        return runner
+    runner.make_exact()
+    costly = sorted({f"{tuple(k[3])} {p.label()}" for k, p in runner.plans.items() if not p.cheap})
+    if costly and exact == "auto":
+        runner.exact = False
+        runner.exact_why = (f"auto: these linears' rows agree with the row alone only one row per call here "
+                            f"({'; '.join(costly)}); exact: require pays that")
+        return runner
+    attn = "the attention kernel" if cpu.available("attn-kernel") and runner.device.type == "cpu" else \
+        f"one SDPA call per query row ({cpu.probe('attn-kernel').reason or 'not a CPU'})"
+    runner.exact_why = f"exact ({exact}): {attn}; linears " + ", ".join(
+        sorted({p.label() for p in runner.plans.values()}))
+    return runner
+
+
+def exact_info(runner: LlamaRunner) -> dict:
+    """What `engine.info["exact"]`, GetStats and `specd generate --json` report."""
+    return {"exact": runner.exact, "why": getattr(runner, "exact_why", "exact: off"),
+            "linears": {f"{k[2]} {tuple(k[3])}".replace("torch.", ""): p.label() for k, p in runner.plans.items()}}
+
+
+def exact_option(options: list[tuple[str, str]]) -> tuple[tuple[str, str], str]:
+    """The (dtype, layout) exact passes run, chosen by rule from what this CPU runs, never by a
+    timing: timings change with the batch, the threads and the machine's load, and numerics must
+    not (the same greedy request gets the same tokens in-process and served). Native GGUF blocks
+    where offered (fewest bytes per token); else bf16 where this CPU has oneDNN's bf16 kernels;
+    else fp32; prepacked before plain."""
+    def first(dt: str):
+        return next((o for o in options if o[0] == dt and o[1] == "on"), None) or \
+            next((o for o in options if o[0] == dt), None)
+    if ("bf16", "native") in options:
+        return ("bf16", "native"), "native GGUF blocks"
+    if first("bf16") and (cpu.onednn_bf16() or not first("fp32")):
+        return first("bf16"), "bf16 runs oneDNN's kernels here" if cpu.onednn_bf16() else "the only dtype offered"
+    o = first("fp32") or options[0]
+    return o, "this CPU has no oneDNN bf16 kernels" if first("bf16") else "the only dtype offered"
+
+
 def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", calibrate: bool = True,
-                decode_only: bool = False, prepack: str = "auto", weights: str = "auto") -> Target:
+                decode_only: bool = False, prepack: str = "auto", weights: str = "auto",
+                exact: str = "auto") -> Target:
     """The target in the dtype and weight layout it runs fastest in here, with its calibrated pass
     cost. Each (dtype, layout) this CPU can run (`cpu.probe`) and the settings allow is measured
     (cached per hardware and model, see calibrate.py); the one that decodes fastest per token at
@@ -389,7 +447,8 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     (`_slice_costs`), and the choice alone is calibrated in full. Never an int8 (torchao) target;
     native weights are the GGUF's own blocks, rounded as bf16 is (`native.py`).
     weights "auto" weighs a GGUF-born model's native weights too (`_native_weights`), "native"
-    takes them, "dense" never. An explicit setting the CPU cannot run (dtype bf16, prepack on,
+    takes them, "dense" never. With exact passes (`with_exact`; exact not "off") nothing is weighed:
+    `exact_option` chooses, so that the numerics never depend on max_batch, threads or load. An explicit setting the CPU cannot run (dtype bf16, prepack on,
     weights native) fails here with a message naming what is missing. calibrate=False (a quantized target, calibrated as quantized by the caller): no
     measurement, the first option (bf16 before fp32, prepacked before plain). decode_only: time
     one-token passes only (a draft replica)."""
@@ -419,6 +478,10 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
         why = f"{_label((dt, lay))}: " + ("as configured" if (dtype, prepack) == (dt, lay) or weights == "native"
                                           else "on a GPU, auto is bf16 (fp16 where bf16 is not supported)"
                                           if not on_cpu else "the only option these settings leave here")
+    elif exact != "off":
+        (dt, lay), rule = exact_option(options)
+        t = load_model(model, dt, device)
+        why = f"{_label((dt, lay))}: chosen by rule for exact passes ({rule}), not by timing"
     else:
         # Loaded in the dtype its checkpoint holds where that is an option (exact either way: a bf16
         # checkpoint upcasts exactly, an fp32 one rounds as loading it in bf16 would), else fp32.
@@ -435,7 +498,8 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
             for m in t.model.modules():  # the slices' runners fused some layers' weights in the old dtype
                 for key in [k for k in m.__dict__ if k.startswith(FUSED_PREFIX)]:
                     del m.__dict__[key]
-    cost = calibrated(with_layout(LlamaRunner(t.model), lay, gguf), t.name, max_batch, device, tokens=tokens)
+    cost = calibrated(with_exact(with_layout(LlamaRunner(t.model), lay, gguf), exact), t.name, max_batch, device,
+                      tokens=tokens)
     return Target(t, cost, dt, lay, why + note, gguf)
 
 
@@ -521,7 +585,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  extra_drafters: dict[str, Drafter] | None = None, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
                  compile: bool = False, tune_profile: str | None = None, quant: str = "none",
-                 draft_quant: str | dict[str, str] = "none", prepack: str = "auto", weights: str = "auto") -> Built:
+                 draft_quant: str | dict[str, str] = "none", prepack: str = "auto", weights: str = "auto",
+                 exact: str = "auto") -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
@@ -536,7 +601,9 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     the mode it was trained for unless draft_quant names another. prepack: the target's and the
     model drafts' weights in oneDNN's prepacked CPU layout (`with_prepack`; not with compile).
     weights: a GGUF-born target's own 4-bit blocks ("native", `actors/native.py`), "dense", or
-    "auto" (measured; not with quant or compile). The rest as `SpecEngine` takes them."""
+    "auto" (measured; not with quant or compile). exact: row-invariant target passes (`with_exact`:
+    "auto", "require" or "off"); where on, the dtype and layout are chosen by rule (`exact_option`).
+    The rest as `SpecEngine` takes them."""
     from .quant import check_mode, quantize_runner
 
     device = resolve_device(device)
@@ -548,8 +615,10 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
         raise ValueError("weights: native is not combined with quant or compile (native weights are "
                          "already 4-bit, in ATen's int4 kernels)")
     weights = "dense" if compile else weights
+    if exact == "require" and compile:
+        raise ValueError("exact: require is not combined with compile (Inductor's kernels choose their own order)")
     chosen = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack,
-                         weights=weights)
+                         weights=weights, exact="off" if compile else exact)
     target, cost, dt, layout, why = chosen.model, chosen.cost, chosen.dtype, chosen.layout, chosen.why
     runner = LlamaRunner(target.model)  # a longrope model serves fewer positions than its config says
     max_len = min(max_len, runner.max_position - KV_HEADROOM)
@@ -561,10 +630,11 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
             drafters[name] = d
     drafters.update(extra_drafters or {})
     runner = with_layout(quantize_runner(runner, quant), layout, chosen.gguf)
-    if quant != "none":  # load_target measured the unquantized weights
-        cost = calibrated(runner, target.name, max_batch, device)
     if compile:
         runner.compile()
+    runner = with_exact(runner, exact)
+    if quant != "none":  # load_target measured the unquantized weights
+        cost = calibrated(runner, target.name, max_batch, device)
     hw = hardware(device)
     profiles = matching(hw, target.name, dt, {n: s for n, s in named.items() if n in drafters}, tune_profile,
                         quant=quant)
@@ -577,6 +647,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     for name, prof in profiles.items():
         engine.policy.set_prior(name, prof.prior())
     engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant, prepacked=runner.prepacked,
+                       exact=exact_info(runner),
                        weights="native" if runner.native else "dense",
                        cpu_paths={n: p.reason or "ok" for n, p in cpu.probes().items()} if device == "cpu"
                        else {},

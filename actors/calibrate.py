@@ -147,6 +147,8 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
         key["prepacked"] = True
     if getattr(runner, "native", False):
         key["native"] = True
+    if getattr(runner, "exact", False):
+        key["exact"] = True  # row-invariant kernels (actors/kernels): another cost
     if runner.dtype != torch.float32 and not cpu.onednn_bf16():
         key["onednn_bf16"] = False  # plain bf16 matmuls off oneDNN (actors/cpu.py): another kernel
     path = cache_path(key)

@@ -31,6 +31,7 @@ MAX_GAMMA = 16  # the most draft tokens per step any request may ask for
 QUANT_MODES = ("none", "int8-weight", "int8-dynamic", "mixed")  # weight modes, see actors/quant.py
 PREPACK_CHOICES = ("auto", "on", "off")  # CPU weight layout, see actors.build.with_prepack
 WEIGHTS_CHOICES = ("auto", "native", "dense")  # a GGUF-born target's weights, see actors/native.py
+EXACT_CHOICES = ("auto", "require", "off")  # row-invariant target passes, see actors.build.with_exact
 AUTO = "auto"  # γ chosen per step by the speculation policy (actors/policy.py)
 AUTO_MAX_GAMMA = 8  # the most the policy proposes per step
 MAX_TREE = 64  # the most nodes a token tree may have

@@ -294,6 +294,11 @@ class ClusterConfig(_Strict):
         "auto", description="a GGUF-born target's weights (the embedded model): 'native' keeps its own 4-bit "
         "blocks in ATen's int4 CPU layout (actors/native.py), 'dense' dequantised; 'auto' measures both at load "
         "where this CPU runs the int4 kernel (actors/cpu.py) and keeps the faster")
+    exact: Literal["auto", "require", "off"] = Field(
+        "auto", description="row-invariant target passes (actors/kernels, actors.build.with_exact): every row of a "
+        "verify pass, a batch or a prefill chunk computes the bits its single-token pass computes, so speculation "
+        "never changes greedy output and the dtype is chosen by rule, not by timing (the same numerics at any "
+        "max_batch, as in-process). 'auto': where that costs little; 'require': always; 'off': never")
     max_len: int = Field(2048, ge=16, description="context (prompt + output) per sequence")
     grpc_port: int = Field(9000, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535, description="Serve's HTTP proxy: the OpenAI-compatible API")

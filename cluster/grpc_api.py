@@ -102,6 +102,8 @@ class RouterDeployment(Router):
                                  hardware=hardware_line(v["engine"].get("hardware", {})),
                                  prepacked=bool(v["engine"].get("prepacked")),
                                  cpu_paths=v["engine"].get("cpu_paths", {}),
+                                 exact=bool(v["engine"].get("exact", {}).get("exact")),
+                                 exact_reason=v["engine"].get("exact", {}).get("why", ""),
                                  **{f"prefix_cache_{k}": n for k, n in v.get("prefix_cache", {}).items()})
             for name, st in ((v.get("policy") or {}).get("drafters") or {}).items():
                 rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],

@@ -95,7 +95,8 @@ class VerifierServer:
                              device=cfg.device, compile=v.compile, extra_drafters=remote, pipeline=v.pipeline,
                              prefill_chunk=v.prefill_chunk, tune_profile=v.tune_profile, quant=v.quant,
                              draft_quant={d.name: d.quant for d in cfg.drafts if not d.remote}, prepack=cfg.prepack,
-                             weights=cfg.weights, default_gamma={d.name: d.default_gamma for d in cfg.drafts},
+                             weights=cfg.weights, exact=cfg.exact,
+                             default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
         self.engine.prefix.on = v.prefix_cache

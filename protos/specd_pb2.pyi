@@ -229,7 +229,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_requests", "prefix_cache_hit_requests", "prefix_cache_slots")
+    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_requests", "prefix_cache_hit_requests", "prefix_cache_slots", "exact", "exact_reason")
     class CpuPathsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class ReplicaStats(_message.Message):
     PREFIX_CACHE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    EXACT_REASON_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     active_sequences: int
@@ -269,7 +271,9 @@ class ReplicaStats(_message.Message):
     prefix_cache_requests: int
     prefix_cache_hit_requests: int
     prefix_cache_slots: int
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_requests: _Optional[int] = ..., prefix_cache_hit_requests: _Optional[int] = ..., prefix_cache_slots: _Optional[int] = ...) -> None: ...
+    exact: bool
+    exact_reason: str
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_requests: _Optional[int] = ..., prefix_cache_hit_requests: _Optional[int] = ..., prefix_cache_slots: _Optional[int] = ..., exact: _Optional[bool] = ..., exact_reason: _Optional[str] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
     __slots__ = ("draft", "gamma", "speculated_share", "acceptance", "steps", "speculated_steps")

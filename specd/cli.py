@@ -31,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-from actors.schema import PREPACK_CHOICES, QUANT_MODES, WEIGHTS_CHOICES
+from actors.schema import EXACT_CHOICES, PREPACK_CHOICES, QUANT_MODES, WEIGHTS_CHOICES
 from specd.bench.peer import PEERS
 
 
@@ -58,6 +58,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
                    help="a GGUF-born target (the embedded model): native keeps its own 4-bit blocks in ATen's int4 "
                         "CPU kernels, dense dequantises; auto measures both at load where this CPU runs int4")
+    p.add_argument("--exact", default="auto", choices=EXACT_CHOICES,
+                   help="row-invariant target passes, so that speculation never changes greedy output (bit for "
+                        "bit, in every dtype): auto where they cost little, require (refuse nothing, pay what it "
+                        "costs), off (the kernels' own order)")
     p.add_argument("--quant", default="none", choices=QUANT_MODES,
                    help="the target's int8 mode (torchao). LOSSY: output differs from the unquantized target")
     p.add_argument("--draft-quant", default="none", choices=QUANT_MODES,
@@ -348,7 +352,7 @@ def _generate(args) -> int:
     messages = json.loads(args.messages_json) if args.messages_json else None
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=args.num_beams, max_len=args.max_len,
                          device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
-                         prepack=args.prepack, weights=args.weights)
+                         prepack=args.prepack, weights=args.weights, exact=args.exact)
     ids = encode_prompt(built.target.tokenizer, prompt=args.prompt, messages=messages)
     if not args.json:
         print(f"[specd] target {built.dtype_reason}", file=sys.stderr)
@@ -376,7 +380,7 @@ def _generate(args) -> int:
     if args.json:
         print(json.dumps({"token_ids": done.token_ids, "text": done.text, "stats": stats, "dtype": built.dtype,
                           "prepacked": built.engine.info["prepacked"], "dtype_reason": built.dtype_reason,
-                          "cpu_paths": built.engine.info["cpu_paths"]}))
+                          "cpu_paths": built.engine.info["cpu_paths"], "exact": built.engine.info["exact"]}))
     else:
         print(f"\n[{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, "
               f"α={stats['acceptance_rate']:.2f}, mean accepted length {stats['mean_accepted_length']:.2f}]",
@@ -588,7 +592,7 @@ def _demo_local(args) -> int:
 
     built = build_engine(args.model, [args.draft], args.dtype, max_batch=len(DEMO_QUESTIONS), max_len=args.max_len,
                          device=args.device, compile=args.compile, quant=args.quant, draft_quant=args.draft_quant,
-                         prepack=args.prepack, weights=args.weights)
+                         prepack=args.prepack, weights=args.weights, exact=args.exact)
     eng, tok = built.engine, built.target.tokenizer
     ids = [encode_prompt(tok, messages=[{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     spec = None if args.draft == "none" else args.draft

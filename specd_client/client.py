@@ -157,6 +157,10 @@ class ReplicaStats:
     prefix_cache_requests: int = 0
     prefix_cache_hit_requests: int = 0
     prefix_cache_slots: int = 0
+    # verifiers: whether the target's passes are row-invariant (speculation never changes greedy
+    # output, bit for bit), and why or why not
+    exact: bool = False
+    exact_reason: str = ""
 
 
 @dataclass
@@ -260,7 +264,7 @@ def _stats(r: specd_pb2.StatsResponse) -> Stats:
                                                    "speculated_steps": p.speculated_steps} for p in x.policy},
                                         x.prepacked, dict(x.cpu_paths), x.prefix_cache_queries,
                                         x.prefix_cache_hits, x.prefix_cache_requests, x.prefix_cache_hit_requests,
-                                        x.prefix_cache_slots)
+                                        x.prefix_cache_slots, x.exact, x.exact_reason)
                            for x in r.replicas],
                  uptime_seconds=r.uptime_seconds, failovers_total=r.failovers_total)
 

@@ -146,6 +146,8 @@ class RowPlan:
         return self.chunk >= 8
 
     def label(self) -> str:
+        if self.chunk >= UNBOUNDED:
+            return "any rows"
         return f"rows<={self.chunk}" + (f" padded to {self.pad}" if self.pad else "")
 
 
