@@ -37,11 +37,13 @@ test: $(STAMP)
 
 # The unit tests whose code chooses among the CPU paths (dtype, prepacked layout, oneDNN bf16, int8),
 # again with every optional path forced off, as on an AVX2-only CPU; the rest run the same either way.
-# (Not again: the demo-replicas test, which forces the paths off itself, and the CLI's greedy runs with the
-# truncated drafts, which choose no CPU path the others do not.)
+# (Not again: the demo-replicas test, which forces the paths off itself, the CLI's greedy runs with the
+# truncated drafts and the exact engine's end-to-end greedy test, which choose no CPU path the others do not;
+# test_exact's runner-level check runs the fallbacks' exact kernels: MKL's fp32 plans, per-row SDPA.)
 FALLBACK_TESTS = $(addprefix tests/unit/test_,cpu_paths.py llama.py quant.py cli.py load_memory.py families.py \
-                 eagle_formats.py device.py tune.py drafters.py)
-FALLBACK_SKIP = -k "not test_the_demo_replicas_start and not test_generate_local_greedy_matches_hf[truncated"
+                 eagle_formats.py device.py tune.py drafters.py exact.py)
+FALLBACK_SKIP = -k "not test_the_demo_replicas_start and not test_generate_local_greedy_matches_hf[truncated \
+                    and not test_default_engine_speculates"
 test-fallbacks: $(STAMP)
 	SPECD_DISABLE=all $(BIN)/python -m pytest -q $(FALLBACK_SKIP) $(FALLBACK_TESTS)
 
