@@ -284,9 +284,11 @@ class ClusterConfig(_Strict):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where models run: 'auto' (a GPU when the replica sees one), 'cpu', 'cuda', "
                                     "'cuda:N'")
-    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto' measures "
-                                                   "both on the hardware at load and keeps the faster at the "
-                                                   "verifier's max_batch (never a quantized target)")
+    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="the target's dtype; 'auto': with exact "
+                                                   "passes (exact, the default) chosen by rule from what this "
+                                                   "hardware runs (actors.build.exact_option), else measured at load "
+                                                   "and the faster at the verifier's max_batch kept (never a "
+                                                   "quantized target)")
     prepack: PrepackSwitch = Field("auto", description="CPU: hold weights in oneDNN's prepacked layout "
                             "(actors.build.load_target); 'auto': where this CPU runs it (actors/cpu.py) and "
                             "the load-time measurement finds it faster; 'on' fails at load where it cannot run")

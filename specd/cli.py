@@ -182,6 +182,12 @@ def _parser() -> argparse.ArgumentParser:
                         "with two verifier replicas (a fresh one per routing and round), the agent-like sessions at "
                         "--concurrency (default 4,16), draft --draft (default suffix); median of --rounds (default "
                         "3); writes out/bench_routing.json (specd/bench/routing.py)")
+    b.add_argument("--agreement", action="store_true",
+                   help="--local: only what exact passes promise: greedy output of every draft configuration (chains, "
+                        "γ auto, trees, beams) against draft none and inside a batch, on --limit prompts (default 16) "
+                        "× --max-tokens (default 128), and the cost of exactness against --exact off at --batch-sizes, "
+                        "interleaved, best of --rounds (default 3); writes out/bench_exact.json "
+                        "(specd/bench/exact.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -425,6 +431,10 @@ def _bench(args) -> int:
         from .bench import agent
 
         return agent.main(args)
+    if args.agreement:
+        from .bench import exact
+
+        return exact.main(args)
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
@@ -462,7 +472,7 @@ def _bench(args) -> int:
                              hf_baselines=not args.no_hf, adaptive=not args.no_adaptive, device=args.device,
                              trees=tuple(int(x) for x in args.tree_budgets.split(",") if x),
                              quant=args.quant, draft_quant=args.draft_quant, prepack=args.prepack,
-                             weights=args.weights, peer=args.peer, rounds=args.rounds or 1)
+                             weights=args.weights, peer=args.peer, rounds=args.rounds or 1, exact=args.exact)
     text = bench.render(report)
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_path).write_text(json.dumps(report, indent=2))

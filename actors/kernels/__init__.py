@@ -13,8 +13,8 @@ Owns two things:
               has (MKL's fp32 GEMV against its GEMM; oneDNN's bf16 past 32 rows on an AMX Xeon) is
               probed once per weight shape at load, on the loaded weight, and then called over
               chunks of at most `chunk` rows, each padded to `pad` rows where fixed-shape calls are
-              what agree. The probe compares every row of calls of 2..64 rows with the same row run
-              alone, bitwise.
+              what agree. The probe compares every row of calls of 1..64 rows with the same row run
+              alone on one thread, bitwise.
 
 Does not know: models, requests, or whether exactness is asked for (the runner's `exact`).
 """
@@ -24,7 +24,6 @@ import functools
 import hashlib
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,18 +156,26 @@ UNBOUNDED = 1 << 30
 
 def probe_plan(fn, k: int, dtype: torch.dtype, device) -> RowPlan:
     """The plan for the kernel `fn(x [M, k]) -> [M, N]`, found by trial: the largest chunk c (all
-    of 2..PROBE_ROWS, else 32, 16, 8, 4, 2) such that every call of 2..c rows gives each row the
-    bits it gets alone; failing that, calls of a fixed 8 or 4 rows (padded), where every row agrees
-    with the same row padded alone; failing that, one row per call."""
+    of 2..PROBE_ROWS, else 32, 16, 8, 4, 2) such that every call of 1..c rows gives each row the
+    bits it gets alone on one thread (so that a replica running one torch thread and a process
+    running several compute alike); failing that, calls of a fixed 8 or 4 rows (padded), where every
+    row agrees with the same row padded alone on one thread; failing that, one row per call."""
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(PROBE_ROWS * 2, k, generator=g).to(dtype=dtype, device=device)
-    alone = torch.cat([fn(x[i:i + 1]) for i in range(PROBE_ROWS)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference: each row alone on one thread (a served replica's count)
+    try:
+        alone = torch.cat([fn(x[i:i + 1]) for i in range(PROBE_ROWS)])
+    finally:
+        torch.set_num_threads(threads)
 
     def agrees(m: int) -> bool:
         return torch.equal(fn(x[:m]), alone[:m])
 
-    sizes = [2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64]
+    sizes = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64]
     bad = next((m for m in sizes if not agrees(m)), None)
+    if bad == 1:
+        bad = 2  # a row alone differs between thread counts: no plan of unpadded calls agrees
     if bad is None:
         big = fn(x)  # 128 rows: a kernel that agrees up to 64 is trusted with longer chunks too
         if torch.equal(big[:PROBE_ROWS], alone):
@@ -179,7 +186,11 @@ def probe_plan(fn, k: int, dtype: torch.dtype, device) -> RowPlan:
         c = 1 << int(math.log2(fits[-1]))
         return RowPlan(c, 0, f"rows of a {bad}-row call differ from the row alone")
     for pad in (8, 4):
-        padded = torch.cat([fn(F.pad(x[i:i + 1], (0, 0, 0, pad - 1)))[:1] for i in range(pad * 2)])
+        torch.set_num_threads(1)
+        try:
+            padded = torch.cat([fn(F.pad(x[i:i + 1], (0, 0, 0, pad - 1)))[:1] for i in range(pad * 2)])
+        finally:
+            torch.set_num_threads(threads)
         if all(torch.equal(fn(x[j:j + pad]), padded[j:j + pad]) for j in (0, pad)):
             return RowPlan(pad, pad, f"rows depend on the call's rows ({bad} differ); fixed {pad}-row calls agree")
     return RowPlan(1, 0, "rows depend on the call's rows at every width")

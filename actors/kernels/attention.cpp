@@ -4,17 +4,19 @@
 // sits in: its visible keys in increasing cache position; each score a dot product over D with
 // LANES partial sums combined pairwise; the softmax's max, its exponentials (one branch-free
 // polynomial for every element), their sum in LANES partial sums by key rank (keys past the last
-// add exact zeros); the output accumulated over keys in key order. A token tree's node sees the context and
-// its ancestors in the same order as the chain of its path does after compaction, so a tree row
-// computes what the chain's single-token pass computes. No reduction is split across threads: a
-// thread owns a (row, head) pair. Built without -ffast-math, so that no reduction is reassociated
-// by the compiler with a length-dependent tail.
+// add exact zeros); the output accumulated over keys in key order (keys it does not see add exact
+// zeros). Up to four queries that read the same KV head share each key's loads. A token tree's
+// node sees the context and its ancestors in the same order as the chain of its path does after
+// compaction, so a tree row computes what the chain's single-token pass computes. No reduction is
+// split across threads: a thread owns a group of queries. Built without -ffast-math, so that the
+// compiler reassociates no reduction with a length-dependent tail.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -51,22 +53,22 @@ inline float combine(vf v) {
   return c[0] + c[1];
 }
 
-// The dot products of q with N keys (N = 4 or 1), each with the same operations in the same order:
-// lane l sums q[d] * k[d] for d = l, l + LANES, ...; the lanes are then combined. Interleaving four keys
-// only overlaps their chains.
+// The dot products of N queries with one key, each with the same operations in the same order: lane l
+// sums q[d] * k[d] for d = l, l + LANES, ...; the lanes are then combined. Grouping queries only shares
+// the key's loads: a pair's bits do not depend on N.
 template <int N>
-inline void dots(const float* q, const float* const* k, int64_t D, float* out) {
+inline void dots(const float* const* q, const float* k, int64_t D, float* const* out, int64_t j) {
   vf acc[N] = {};
   int64_t d = 0;
   for (; d + LANES <= D; d += LANES) {
-    const vf qv = load(q + d);
-    for (int n = 0; n < N; ++n) acc[n] += qv * load(k[n] + d);
+    const vf kv = load(k + d);
+    for (int n = 0; n < N; ++n) acc[n] += load(q[n] + d) * kv;
   }
   if (d < D) {
-    const vf qv = load_tail(q + d, D - d);
-    for (int n = 0; n < N; ++n) acc[n] += qv * load_tail(k[n] + d, D - d);
+    const vf kv = load_tail(k + d, D - d);
+    for (int n = 0; n < N; ++n) acc[n] += load_tail(q[n] + d, D - d) * kv;
   }
-  for (int n = 0; n < N; ++n) out[n] = combine(acc[n]);
+  for (int n = 0; n < N; ++n) out[n][j] = combine(acc[n]);
 }
 
 // exp(x) of LANES values: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
@@ -89,27 +91,35 @@ inline vf exp_lanes(vf x) {
   return x < -87.f ? vf{} : p * scale;
 }
 
-// acc[0..D) = sum over i < n of p[i] * v[i][0..D), in key order; for D a multiple of LANES up to
-// 256 the accumulators live in registers (NC chunks of LANES), else in memory, same arithmetic.
-template <int NC>
-inline void weigh_chunks(const float* p, const float* const* v, int64_t n, float* acc) {
-  vf a[NC] = {};
-  for (int64_t i = 0; i < n; ++i)
-    for (int c = 0; c < NC; ++c) a[c] += p[i] * load(v[i] + c * LANES);
-  std::memcpy(acc, a, sizeof a);
+// out[n][0..D) = sum over keys j of p[n][j] * v_j[0..D), in key order, for N queries at once (their
+// weights p are 0 at keys they do not see: adding an exact zero changes no sum). For D a multiple of
+// LANES up to 128 the accumulators live in registers (NC chunks of LANES); else in memory, same
+// arithmetic.
+template <int N, int NC>
+inline void weigh_chunks(const float* const* p, const float* v, int64_t vstride, int64_t n, float* const* out) {
+  vf a[N][NC] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = v + j * vstride;
+    for (int c = 0; c < NC; ++c) {
+      const vf vv = load(vr + c * LANES);
+      for (int q = 0; q < N; ++q) a[q][c] += p[q][j] * vv;
+    }
+  }
+  for (int q = 0; q < N; ++q) std::memcpy(out[q], a[q], sizeof a[q]);
 }
 
-inline void weigh(const float* p, const float* const* v, int64_t n, int64_t D, float* acc) {
+template <int N>
+inline void weigh(const float* const* p, const float* v, int64_t vstride, int64_t n, int64_t D, float* const* out) {
   switch (D % LANES ? 0 : D / LANES) {
-    case 4: return weigh_chunks<4>(p, v, n, acc);
-    case 8: return weigh_chunks<8>(p, v, n, acc);
-    case 2: return weigh_chunks<2>(p, v, n, acc);
-    case 16: return weigh_chunks<16>(p, v, n, acc);
+    case 4: return weigh_chunks<N, 4>(p, v, vstride, n, out);
+    case 8: return weigh_chunks<N, 8>(p, v, vstride, n, out);
+    case 2: return weigh_chunks<N, 2>(p, v, vstride, n, out);
     default: break;
   }
-  std::fill(acc, acc + D, 0.f);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[i] * v[i][d];
+  for (int q = 0; q < N; ++q) std::fill(out[q], out[q] + D, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int q = 0; q < N; ++q)
+      for (int64_t d = 0; d < D; ++d) out[q][d] += p[q][j] * v[j * vstride + d];
 }
 
 }  // namespace
@@ -143,50 +153,85 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
   const int64_t ks0 = L * Hkv * D, ks1 = Hkv * D;
   const int64_t rep = H / Hkv;
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // Work units: (row, KV head, a group of up to QG of the row's T * rep queries that read that KV head).
+  // A group shares each key's and value's loads; how queries are grouped changes no query's bits.
+  const int64_t nq = T * rep;
+  const int64_t want = 2 * at::get_num_threads();
+  const int64_t QG = B * Hkv * ((nq + 3) / 4) >= want ? 4 : (B * Hkv * ((nq + 1) / 2) >= want ? 2 : 1);
+  const int64_t groups = (nq + QG - 1) / QG;
   const int64_t cap_s = (S + LANES - 1) / LANES * LANES + LANES;
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> s(cap_s), acc(D);
-    std::vector<const float*> keys(cap_s), vals(cap_s);
-    for (int64_t bh = begin; bh < stop; ++bh) {
-      const int64_t b = bh / H, h = bh % H, kvh = h / rep, slot = sp[b];
+  at::parallel_for(0, B * Hkv * groups, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> dense(4 * cap_s), compact(cap_s), acc(4 * D);
+    for (int64_t u = begin; u < stop; ++u) {
+      const int64_t b = u / (Hkv * groups), kvh = u / groups % Hkv, g = u % groups, slot = sp[b];
       const float* kb = kp + slot * ks0 + kvh * D;
       const float* vb = vp + slot * ks0 + kvh * D;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* qr = qp + b * qs0 + t * qs1 + h * qs2;
-        const bool* mr = masked ? mp + (b * T + t) * S : nullptr;
-        int64_t n = 0;  // the visible keys, in cache order
-        for (int64_t j = lo; j < end; ++j) {
-          if (mr && !mr[j - lo]) continue;
-          keys[n] = kb + j * ks1;
-          vals[n++] = vb + j * ks1;
+      const int64_t q0 = g * QG, nqg = std::min(QG, nq - q0);
+      const float* qs[4];
+      const bool* ms[4];
+      float* ps[4];
+      float* os[4];
+      int64_t jlo = end, jhi = lo;  // the keys any query of the group sees: [jlo, jhi)
+      for (int64_t i = 0; i < nqg; ++i) {
+        const int64_t t = (q0 + i) / rep, h = kvh * rep + (q0 + i) % rep;
+        qs[i] = qp + b * qs0 + t * qs1 + h * qs2;
+        ms[i] = masked ? mp + (b * T + t) * S : nullptr;
+        ps[i] = dense.data() + i * cap_s;
+        os[i] = acc.data() + i * D;
+        int64_t a = lo, z = end;
+        if (ms[i]) {
+          while (a < end && !ms[i][a - lo]) ++a;
+          while (z > a && !ms[i][z - 1 - lo]) --z;
         }
-        float* orow = op + (b * T + t) * H * D + h * D;
-        if (!n) {
-          std::fill(orow, orow + D, 0.f);
-          continue;
+        jlo = std::min(jlo, a);
+        jhi = std::max(jhi, z);
+      }
+      const int64_t n = std::max<int64_t>(jhi - jlo, 0);
+      for (int64_t j = 0; j < n; ++j) {  // every pair's score, the key's loads shared
+        const float* k = kb + (jlo + j) * ks1;
+        switch (nqg) {
+          case 4: dots<4>(qs, k, D, ps, j); break;
+          case 3: dots<3>(qs, k, D, ps, j); break;
+          case 2: dots<2>(qs, k, D, ps, j); break;
+          default: dots<1>(qs, k, D, ps, j);
         }
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) dots<4>(qr, &keys[i], D, &s[i]);
-        for (; i < n; ++i) dots<1>(qr, &keys[i], D, &s[i]);
+      }
+      float sums[4];
+      for (int64_t i = 0; i < nqg; ++i) {  // each query's softmax over the keys it sees, by their rank
+        float* p = ps[i];
+        const bool* mr = ms[i] ? ms[i] + (jlo - lo) : nullptr;
+        int64_t c = 0;
         float m = -std::numeric_limits<float>::infinity();
-        for (i = 0; i < n; ++i) {
-          float x = s[i] * fscale;
+        for (int64_t j = 0; j < n; ++j) {
+          if (mr && !mr[j]) continue;
+          float x = p[j] * fscale;
           if (cap > 0.f) x = cap * std::tanh(x / cap);
-          s[i] = x;
+          compact[c++] = x;
           m = x > m ? x : m;
         }
-        const int64_t padded = (n + LANES - 1) / LANES * LANES;
-        for (i = 0; i < n; ++i) s[i] -= m;
-        for (; i < padded; ++i) s[i] = -std::numeric_limits<float>::infinity();  // exp gives exactly 0
+        const int64_t padded = (c + LANES - 1) / LANES * LANES;
+        for (int64_t r = 0; r < c; ++r) compact[r] -= m;
+        for (int64_t r = c; r < padded; ++r) compact[r] = -std::numeric_limits<float>::infinity();  // exp: 0
         vf lanes = {};
-        for (i = 0; i < padded; i += LANES) {
-          const vf e = exp_lanes(load(&s[i]));
-          std::memcpy(&s[i], &e, sizeof e);
+        for (int64_t r = 0; r < padded; r += LANES) {
+          const vf e = exp_lanes(load(&compact[r]));
+          std::memcpy(&compact[r], &e, sizeof e);
           lanes += e;
         }
-        const float sum = combine(lanes);
-        weigh(s.data(), vals.data(), n, D, acc.data());
-        for (int64_t d = 0; d < D; ++d) orow[d] = acc[d] / sum;
+        sums[i] = combine(lanes);
+        for (int64_t j = 0, r = 0; j < n; ++j) p[j] = (mr && !mr[j]) ? 0.f : compact[r++];  // back by key
+      }
+      const float* v0 = vb + jlo * ks1;
+      switch (nqg) {
+        case 4: weigh<4>(ps, v0, ks1, n, D, os); break;
+        case 3: weigh<3>(ps, v0, ks1, n, D, os); break;
+        case 2: weigh<2>(ps, v0, ks1, n, D, os); break;
+        default: weigh<1>(ps, v0, ks1, n, D, os);
+      }
+      for (int64_t i = 0; i < nqg; ++i) {
+        const int64_t t = (q0 + i) / rep, h = kvh * rep + (q0 + i) % rep;
+        float* orow = op + (b * T + t) * H * D + h * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = n ? os[i][d] / sums[i] : 0.f;
       }
     }
   });

@@ -89,3 +89,66 @@ def cost(engine, tokenizer, batches=(1, 8), max_tokens: int = 64, rounds: int = 
     runner.exact = True
     return {f"batch {b}": {"exact_tok_s": best[b, True], "off_tok_s": best[b, False],
                            "cost": best[b, False] / best[b, True] - 1} for b in batches}
+
+
+def main(args) -> int:
+    import json
+    from pathlib import Path
+
+    from actors.build import build_engine, draft_meta
+
+    drafts = args.draft or ["ngram", "truncated:4", "suffix"] + (["default"] if draft_meta("default") else [])
+    built = build_engine(args.model, drafts, args.dtype, max_batch=9, max_len=1024, device=args.device,
+                         prepack=args.prepack, weights=args.weights, exact=args.exact)
+    eng = built.engine
+    print(f"[specd bench] target {built.dtype_reason}; {eng.info['exact']['why']}")
+    n, max_tokens = args.limit or 16, args.max_tokens or 128
+    print(f"agreement with draft none: {n} prompts × {max_tokens} tokens, greedy")
+    agree = agreement(eng, built.target.tokenizer, n, max_tokens)
+    batches = tuple(int(x) for x in args.batch_sizes.split(","))
+    print(f"cost of exactness against exact off, batches {batches}, best of {args.rounds or 3} interleaved rounds")
+    costs = cost(eng, built.target.tokenizer, batches, rounds=args.rounds or 3)
+    report = {"model": args.model, "dtype": built.dtype, "dtype_reason": built.dtype_reason,
+              "exact": eng.info["exact"], "hardware": eng.info["hardware"], "threads": __import__("torch").get_num_threads(),
+              "agreement": agree, "cost": costs, "prompts": n, "max_tokens": max_tokens}
+    lines = [f"specd bench --agreement ({args.model}, {built.dtype_reason})",
+             f"hardware: {report['hardware']}; {report['threads']} threads",
+             f"{'configuration':<18} identical to draft none"]
+    lines += [f"{k:<18} {v['identical']}/{v['prompts']}" + (f" (first differences at {v['first_diff']})"
+                                                           if v["first_diff"] else "") for k, v in agree.items()]
+    lines += [f"{k}: exact {v['exact_tok_s']:.1f} tok/s, off {v['off_tok_s']:.1f} tok/s: exactness costs "
+              f"{v['cost']:+.1%}" for k, v in costs.items() if isinstance(v, dict)]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.json_path or "out/bench_exact.json")
+    if out.name == "bench.json":
+        out = out.with_name("bench_exact.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    out.with_suffix(".txt").write_text(text + "\n")
+    _plot(report, out.with_suffix(".png"))
+    print(f"wrote {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')}")
+    return 0
+
+
+def _plot(report: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    agree = report["agreement"]
+    a.barh(list(agree), [v["identical"] / v["prompts"] for v in agree.values()])
+    a.set_xlim(0, 1)
+    a.set_xlabel("share of prompts identical to draft none")
+    costs = {k: v for k, v in report["cost"].items() if isinstance(v, dict)}
+    x = range(len(costs))
+    b.bar([i - 0.2 for i in x], [v["exact_tok_s"] for v in costs.values()], 0.4, label="exact")
+    b.bar([i + 0.2 for i in x], [v["off_tok_s"] for v in costs.values()], 0.4, label="exact off")
+    b.set_xticks(list(x), list(costs))
+    b.set_ylabel("tokens/s (speculation off)")
+    b.legend()
+    fig.suptitle(f"exact passes: {report['dtype_reason'][:80]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -147,7 +147,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
               hf_baselines: bool = True, progress: bool = True, adaptive: bool = True, device: str = "auto",
               trees: tuple[int, ...] = (), tree_depth: int = 6, quant: str = "none",
               draft_quant: str = "none", prepack: str = "auto", weights: str = "auto", peer: str | None = None,
-              rounds: int = 1) -> dict:
+              rounds: int = 1, exact: str = "auto") -> dict:
     """trees: node budgets at which every tree-capable draft also runs as a token tree (depth
     at most tree_depth); each is a configuration "engine+SPEC tree:N". quant, draft_quant: the
     target's and the drafts' int8 modes (`actors/quant.py`); prepack, weights: see `actors.build.build_engine`.
@@ -158,7 +158,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
     prompts = mixed(load_prompts(prompts_path), limit)
     other = make_peer(peer, model, 4096, torch.get_num_threads()) if peer else None  # stops early without it
     built = build_engine(model, list(drafts), dtype, max_batch=max(batch_sizes), device=device, quant=quant,
-                         draft_quant=draft_quant, prepack=prepack, weights=weights)
+                         draft_quant=draft_quant, prepack=prepack, weights=weights, exact=exact)
     eng, target = built.engine, built.target
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
@@ -192,8 +192,10 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
             configs += [(bs, f"engine+{s} γ=auto", "engine-adaptive", s) for s in drafts if s != "none"]
 
     rows = {(bs, name): {"batch": bs, "config": name, "tokens": 0, "seconds": 0.0, "stats": SpecStats(),
-                         "agree": [0, 0], "exact": [0, 0], "rounds": []} for bs, name, _, _ in configs}
+                         "agree": [0, 0], "exact": [0, 0], "identical": [0, 0], "rounds": []}
+            for bs, name, _, _ in configs}
     reference: dict[int, list[int]] = {}  # prompt index -> HF greedy output at batch 1
+    plain: dict[int, list[int]] = {}  # prompt index -> this engine's output without speculation, batch 1
     # Warm up each path once (first-call allocations), untimed.
     for bs, name, kind, spec in configs:
         if bs == 1:
@@ -221,6 +223,12 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
             if stats is not None:
                 r["stats"].add(stats)
             for i, out in zip(idx, outs):
+                if kind.startswith("engine"):  # exact passes: identical at every batch, with every draft
+                    if bs == 1 and name == "engine":
+                        plain.setdefault(i, out)
+                    if i in plain:
+                        r["identical"][0] += out == plain[i]
+                        r["identical"][1] += 1
                 if bs == 1 and name == "hf":
                     reference[i] = out
                 elif i in reference:
@@ -244,6 +252,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
                         "tokens_per_target_pass": r["tokens"] / st.target_passes if st.target_passes else None,
                         "nodes_per_pass": st.draft_tokens / st.drafts if st.drafts else None,
                         "agreement_with_hf": r["agree"][0] / r["agree"][1] if r["agree"][1] else None,
+                        "identical_to_engine_gamma0": r["identical"][0] / r["identical"][1] if r["identical"][1]
+                        else None,
                         "exact_match_with_hf": r["exact"][0] / r["exact"][1] if r["exact"][1] else None})
     for res in results:
         same = {x["config"]: x["tokens_per_s"] for x in results if x["batch"] == res["batch"]}
@@ -258,6 +268,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
     prof = step_profile(built, ids[0])
     report = {"model": model, "dtype": built.dtype, "dtype_reason": built.dtype_reason, "quant": quant,
               "draft_quant": draft_quant, "prepacked": eng.info.get("prepacked"), "weights": eng.info.get("weights"),
+              "exact": eng.info.get("exact"),
               "hardware": eng.info.get("hardware"), "gamma": gamma, "max_tokens": max_tokens,
               "prompts": len(ids), "rounds": rounds, "threads": torch.get_num_threads(), "results": results,
               "peer": None if other is None else {"name": other.name, "version": other.version},
@@ -341,7 +352,7 @@ def render(report: dict) -> str:
                     + (f", median of {report['rounds']} rounds" if report.get("rounds", 1) > 1 else "") + ")")
     peer = report.get("peer")
     cols = ["batch", "config", "tok/s", "× hf", "× hf anchor", "× engine γ=0"] + ([f"× {peer['name']}"] if peer else [])
-    for col in cols + ["α", "tokens/pass", "nodes/pass", "accepted per depth", "agree w/ hf"]:
+    for col in cols + ["α", "tokens/pass", "nodes/pass", "accepted per depth", "agree w/ hf", "exact"]:
         t.add_column(col, justify="right" if col not in ("config", "accepted per depth") else "left")
     f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
     for r in sorted(report["results"], key=lambda r: (r["batch"], r["config"])):
@@ -351,8 +362,12 @@ def render(report: dict) -> str:
                   f(r["acceptance_rate"], ".3f"), f(r.get("tokens_per_target_pass"), ".2f"),
                   f(r.get("nodes_per_pass"), ".1f"),
                   " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "—",
-                  f(r["agreement_with_hf"], ".3f"))
+                  f(r["agreement_with_hf"], ".3f"), f(r.get("identical_to_engine_gamma0"), ".0%"))
     con.print(t)
+    ex = report.get("exact") or {}
+    con.print(f"exact: the share of outputs identical, token for token, to this engine's without speculation at "
+              f"batch 1; the target's passes are {'row-invariant' if ex.get('exact') else 'NOT row-invariant'} "
+              f"({ex.get('why', '?')})")
     con.print(f"hardware: {report.get('hardware')}; dtype {report['dtype']} ({report.get('dtype_reason', '')}); "
               f"weights {report.get('weights')}; "
               "× hf anchor: against HF generate(assistant_model=...) or prompt lookup at batch 1")
