@@ -332,6 +332,9 @@ class Target:
     layout: str  # "on" or "off" (prepacked or not), or "native": what its runner and the model drafts take
     why: str  # the choice and the measurements behind it, and the CPU paths this machine lacks
     gguf: Path | None = None  # the file native weights come from (a GGUF-born target)
+    # the runner the cost was measured on: held so that its native int4 matrices (`native._BUILT`, weakly
+    # cached) are still there when `build_engine` lays out its own runner over the same weights
+    runner: LlamaRunner | None = None
 
 
 def _layouts(dtype: str, prepack: str, on_cpu: bool, native_ok: bool = False) -> list[str]:
@@ -498,9 +501,9 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
             for m in t.model.modules():  # the slices' runners fused some layers' weights in the old dtype
                 for key in [k for k in m.__dict__ if k.startswith(FUSED_PREFIX)]:
                     del m.__dict__[key]
-    cost = calibrated(with_exact(with_layout(LlamaRunner(t.model), lay, gguf), exact), t.name, max_batch, device,
-                      tokens=tokens)
-    return Target(t, cost, dt, lay, why + note, gguf)
+    runner = with_exact(with_layout(LlamaRunner(t.model), lay, gguf), exact)
+    cost = calibrated(runner, t.name, max_batch, device, tokens=tokens)
+    return Target(t, cost, dt, lay, why + note, gguf, runner)
 
 
 def auto_dtypes(on_cpu: bool) -> list[str]:

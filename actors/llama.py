@@ -355,7 +355,7 @@ class LlamaRunner:
             vc[slot_idx, positions] = v.to(vc.dtype)
             if self.exact:  # [B, T, H * D]: each query row in one order at every width
                 a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
-                                      self.scaling, self.attn_softcap)
+                                      self.scaling, self.attn_softcap, cpu.available("attn-kernel"))
             else:
                 keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
                 vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]

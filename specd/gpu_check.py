@@ -12,7 +12,8 @@ config — and builds what it needs without a network:
     for p in {0.5, 0.7, 0.9}.
 It measures, per shape:
   1. greedy output of the engine (γ=0 and with the oracle draft) identical to HF `generate`
-     on the device, in fp32 (TF32 off);
+     on the device, in fp32 (TF32 off); then in bf16 with exact passes, a width-5 pass's rows
+     bitwise equal to single-token passes and speculative output identical to γ=0's;
   2. the bf16 pass-cost curve over batch {1, 8, 32} x tokens per row {1, 2, 4, 8, 16};
   3. tokens/s against HF `generate` at batch 1 and 16, speculation off and on for each p,
      through the speculation policy (γ auto) and at a fixed γ=4;
@@ -146,6 +147,29 @@ def check_shape(shape: str, device: str, sizes: dict, log) -> dict:
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
 
+    # 1b. exact passes in bf16 (`LlamaRunner.make_exact`: on a GPU, one SDPA call per query row and each
+    # linear's probed row plan): a width-5 pass's rows against 5 single-token passes, bitwise, and greedy
+    # output with the oracle draft against speculation off
+    model = build(shape, torch.bfloat16, device)
+    runner = LlamaRunner(model).make_exact()
+    seq = torch.tensor([prompts[0][:sizes["prompt"]] + ref[0][:5]], device=device)
+    n = seq.shape[1]
+    with torch.inference_mode():
+        c1, c2 = runner.new_cache(1, n + 1), runner.new_cache(1, n + 1)
+        single = torch.cat([runner.logits(runner.forward(c1, [0], seq[:, t:t + 1]))[0] for t in range(n)])
+        runner.forward(c2, [0], seq[:, :n - 5])
+        wide = runner.logits(runner.forward(c2, [0], seq[:, n - 5:]))[0]
+    eng = SpecEngine(runner, {"oracle": OracleDrafter(refs, 0.7, vocab)}, max_batch=2, max_len=512, pass_cost=cost)
+    plain, _, _ = engine_generate(eng, prompts, sizes["equiv_new"], None, 0)
+    spec, _, _ = engine_generate(eng, prompts, sizes["equiv_new"], "oracle", 4)
+    res["exact_bf16"] = {"rows_bitwise": bool(torch.equal(wide, single[n - 5:])), "speculative_identical": plain == spec,
+                         "plans": sorted({p.label() for p in runner.plans.values()})}
+    log(f"{shape}: exact bf16: width-5 rows == single-token passes {res['exact_bf16']['rows_bitwise']}, "
+        f"speculative == plain {plain == spec}, linear plans {res['exact_bf16']['plans']}")
+    del eng, runner, model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
     # 2. the bf16 pass-cost curve
     model = build(shape, torch.bfloat16, device)
     runner = LlamaRunner(model)
@@ -213,7 +237,8 @@ def check_shape(shape: str, device: str, sizes: dict, log) -> dict:
 def render(report: dict) -> str:
     lines = [f"specd gpu-check on {report['device_name']} ({report['device']}), torch {report['torch']}"]
     for r in report["shapes"]:
-        lines.append(f"\n{r['shape']}: greedy == HF {r['greedy_equal_hf']}; single-token bf16 pass "
+        lines.append(f"\n{r['shape']}: greedy == HF {r['greedy_equal_hf']}; exact bf16 {r['exact_bf16']}; "
+                     f"single-token bf16 pass "
                      f"{r['pass_ms'][next(iter(r['pass_ms']))]:.2f} ms vs floor {r['floor_ms']:.2f} ms "
                      f"({r['pass_vs_floor']:.1f}x; copy bandwidth {r['bandwidth_GBps']:.0f} GB/s)")
         lines.append("pass cost vs one token: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["pass_ratio_vs_1_token"].items()))
@@ -286,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     png = plot(report, out / "gpu_check.png")
     log(f"wrote {out / 'gpu_check.json'}" + (f" and {out / 'gpu_check.png'}" if png else " (no matplotlib: no PNG)"))
-    ok = all(all(v for k, v in r["greedy_equal_hf"].items() if k != "accepted_tokens") for r in report["shapes"])
+    ok = all(all(v for k, v in r["greedy_equal_hf"].items() if k != "accepted_tokens")
+             and r["exact_bf16"]["rows_bitwise"] and r["exact_bf16"]["speculative_identical"] for r in report["shapes"])
     return 0 if ok else 1
 
 

@@ -75,14 +75,13 @@ def extension():
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-              lo: int, end: int, scale: float, softcap: float | None = None) -> torch.Tensor:
+              lo: int, end: int, scale: float, softcap: float | None = None, compiled: bool = True) -> torch.Tensor:
     """Each query row over its visible keys, in one order at every width.
     q [B, T, H, D]; kc, vc [S, L, Hkv, D] (one layer's cache); slots int64 [B]; mask bool [B, T, end - lo]
-    or None (every key in [lo, end) visible). Returns [B, T, H * D] in kc's dtype."""
-    from .. import cpu
-
+    or None (every key in [lo, end) visible); compiled: whether the kernel may run (the caller's
+    `cpu.available("attn-kernel")`). Returns [B, T, H * D] in kc's dtype."""
     q = q.to(kc.dtype)
-    if kc.device.type == "cpu" and kc.dtype == torch.float32 and cpu.available("attn-kernel"):
+    if compiled and kc.device.type == "cpu" and kc.dtype == torch.float32:
         m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
         return extension().attend(q, kc, vc, slots, m, lo, end, scale, softcap or 0.0)
     return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap)

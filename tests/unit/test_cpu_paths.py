@@ -84,12 +84,13 @@ def test_explicit_settings_the_cpu_cannot_run_fail_at_load(cpu_paths_off):
 
 @pytest.mark.parametrize("off", ["", "prepack-bf16", "all"])
 def test_auto_weighs_exactly_the_paths_that_run_and_reports_them(cpu_paths_off, off):
-    """dtype and prepack 'auto' measure every (dtype, layout) this CPU runs (bf16 prepacked where
-    it runs, fp32 both ways where prepacked fp32 runs) and none it does not; the choice, the
-    figures and the missing paths are in the reason, and engine.info carries every probe."""
+    """With exact passes off, dtype and prepack 'auto' measure every (dtype, layout) this CPU runs
+    (bf16 prepacked where it runs, fp32 both ways where prepacked fp32 runs) and none it does not;
+    the choice, the figures and the missing paths are in the reason, and engine.info carries every
+    probe. (Exact passes choose by rule: tests/unit/test_exact.py.)"""
     if off:
         cpu_paths_off(off)
-    built = build_engine("tiny", ["ngram"], "auto", max_batch=2, max_len=64, device="cpu")
+    built = build_engine("tiny", ["ngram"], "auto", max_batch=2, max_len=64, device="cpu", exact="off")
     want = {"bf16+prepacked" if cpu.available("prepack-bf16") else "bf16", "fp32"}
     if cpu.available("prepack-fp32"):
         want.add("fp32+prepacked")

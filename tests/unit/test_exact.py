@@ -117,7 +117,7 @@ def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(smollm2, monk
     alone), or bf16 matmuls called without their row plans, part from the single-token passes."""
     runner = _runner(smollm2, "fp32+prepacked" if cpu.available("prepack-fp32") else "fp32")
 
-    def sdpa(q, kc, vc, slots, mask, lo, end, scale, softcap=None):  # the ordinary path, over the slots' keys
+    def sdpa(q, kc, vc, slots, mask, lo, end, scale, softcap=None, compiled=True):  # the ordinary path
         keys, vals = kc[slots, lo:end].transpose(1, 2), vc[slots, lo:end].transpose(1, 2)
         a = torch.nn.functional.scaled_dot_product_attention(
             q.to(kc.dtype).transpose(1, 2), keys, vals, attn_mask=None if mask is None else mask[:, None],
@@ -190,8 +190,9 @@ def exact_engine():
     return build_engine("smollm2", ["ngram", "truncated:4"], max_batch=8, max_len=512)
 
 
-def _greedy(engine, ids, spec, n=48, beams=1):
-    key = engine.add_request(Request("r", ids, SamplingParams(max_tokens=n, temperature=0.0, num_beams=beams),
+def _greedy(engine, ids, spec, n=48, beams=1, **sampling):
+    sampling = {"temperature": 0.0, **sampling}
+    key = engine.add_request(Request("r", ids, SamplingParams(max_tokens=n, num_beams=beams, **sampling),
                                      SpeculationParams(**spec)))
     toks = []
     while engine.has_work():
@@ -204,7 +205,8 @@ def _greedy(engine, ids, spec, n=48, beams=1):
 def test_default_engine_speculates_without_changing_a_bit_of_greedy_output(exact_engine):
     """In the default settings (exact auto: here the dtype by rule, the machine's fastest exact path),
     greedy output with n-gram chains and trees, the truncated self-draft and speculative beams
-    equals `draft none` token for token, on chat and code prompts."""
+    equals `draft none` token for token, on chat and code prompts; so does a seeded sampled request
+    (the coupled rule: its tokens depend on the seed and the target's logits alone)."""
     eng = exact_engine.engine
     assert eng.info["exact"]["exact"], eng.info["exact"]
     prompts = [chat_ids(exact_engine.target.tokenizer, q) for q in
@@ -217,3 +219,5 @@ def test_default_engine_speculates_without_changing_a_bit_of_greedy_output(exact
             assert _greedy(eng, ids, spec) == base, spec
         beams = _greedy(eng, ids, dict(draft="none", gamma=0), n=24, beams=2)
         assert _greedy(eng, ids, dict(draft="ngram", gamma=3, tree=0), n=24, beams=2) == beams
+        seeded = _greedy(eng, ids, dict(draft="none", gamma=0), n=32, temperature=0.9, seed=11)
+        assert _greedy(eng, ids, dict(draft="truncated:4", gamma=4, tree=0), n=32, temperature=0.9, seed=11) == seeded

@@ -20,7 +20,7 @@ def test_auto_loads_the_model_once_and_converts_it_in_place(tmp_path, monkeypatc
     real = build.load_model
     monkeypatch.setattr(build, "load_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
     monkeypatch.setattr(build, "choose_dtype", lambda costs, *_: (("bf16", "off"), "bf16: forced by the test"))
-    t = load_target(str(tmp_path / "deep"), "auto", max_batch=2, prepack="off")
+    t = load_target(str(tmp_path / "deep"), "auto", max_batch=2, prepack="off", exact="off")  # timed
     assert len(loads) == 1  # one full model, whatever was timed
     assert t.dtype == "bf16" and next(t.model.model.parameters()).dtype == torch.bfloat16
     assert "extrapolated from 2- and 4-layer slices" in t.why
