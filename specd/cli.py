@@ -251,9 +251,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _setup(args) -> int:
+    from actors import cpu
     from actors.models import ensure_embedded
 
     print(ensure_embedded())
+    # the row-invariant attention kernel, built once for this machine (actors/kernels); without a compiler
+    # exact passes run one SDPA call per query row instead, and this says why
+    p = cpu.probe("attn-kernel")
+    print(f"[specd] attention kernel: {'built' if p.ok else 'unavailable (' + p.reason + ')'}")
     return 0
 
 

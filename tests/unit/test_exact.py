@@ -221,3 +221,27 @@ def test_default_engine_speculates_without_changing_a_bit_of_greedy_output(exact
         assert _greedy(eng, ids, dict(draft="ngram", gamma=3, tree=0), n=24, beams=2) == beams
         seeded = _greedy(eng, ids, dict(draft="none", gamma=0), n=32, temperature=0.9, seed=11)
         assert _greedy(eng, ids, dict(draft="truncated:4", gamma=4, tree=0), n=32, temperature=0.9, seed=11) == seeded
+
+
+def test_without_a_compiler_exact_passes_run_one_sdpa_call_per_query_row(smollm2, monkeypatch):
+    """A machine that cannot build the kernel (no compiler: the build raises) still loads, exact:
+    the probe says why and `with_exact` names the fallback (whose rows are invariant too: checked
+    in `make test-fallbacks`, SPECD_DISABLE=all)."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    kernels.extension.cache_clear()
+    cpu.reset()
+    try:
+        p = cpu.probe("attn-kernel")
+        assert not p.ok and "could not be built" in p.reason
+        runner = with_exact(LlamaRunner(smollm2.model, num_layers=1), "require")  # whatever MKL's plans cost
+        assert runner.exact and "one SDPA call per query row" in runner.exact_why, runner.exact_why
+    finally:
+        monkeypatch.undo()
+        kernels.extension.cache_clear()
+        cpu.reset()
+    assert cpu.probe("attn-kernel").ok == ("attn-kernel" not in cpu.forced_off())
