@@ -451,10 +451,11 @@ def load_target(model: str, dtype: str, max_batch: int, device: str = "cpu", cal
     native weights are the GGUF's own blocks, rounded as bf16 is (`native.py`).
     weights "auto" weighs a GGUF-born model's native weights too (`_native_weights`), "native"
     takes them, "dense" never. With exact passes (`with_exact`; exact not "off") nothing is weighed:
-    `exact_option` chooses, so that the numerics never depend on max_batch, threads or load. An explicit setting the CPU cannot run (dtype bf16, prepack on,
-    weights native) fails here with a message naming what is missing. calibrate=False (a quantized target, calibrated as quantized by the caller): no
-    measurement, the first option (bf16 before fp32, prepacked before plain). decode_only: time
-    one-token passes only (a draft replica)."""
+    `exact_option` chooses, so that the numerics never depend on max_batch, threads or load.
+    An explicit setting the CPU cannot run (dtype bf16, prepack on, weights native) fails here with
+    a message naming what is missing. calibrate=False (a quantized target, calibrated as quantized
+    by the caller): no measurement, the first option (bf16 before fp32, prepacked before plain).
+    decode_only: time one-token passes only (a draft replica)."""
     tokens = (1,) if decode_only else TOKENS
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")

@@ -473,16 +473,19 @@ class LlamaRunner:
 
     def make_exact(self) -> "LlamaRunner":
         """Make every pass row-invariant (`kernels`): attention in one order per query row, and each
-        distinct linear probed once (per process, on this runner's own weight) for the calls whose
-        rows agree with the row alone. `self.plans` says what each probe found; a plan that is not
-        `cheap` is what `exact` settings weigh (build.py). Not with `compile` (Inductor's kernels)."""
+        kind of linear (`_kind`) probed for the calls whose rows agree with the row alone, once per
+        process and kernel choice (on the first weight of that kind met). `self.plans` says what each
+        probe found; a plan that is not `cheap` is what `exact` settings weigh (build.py). Not with
+        `compile` (Inductor's kernels)."""
         if self.compiled:
             raise ValueError("exact passes and torch.compile do not mix: compiled kernels choose their own order")
         for w, b in self.weights():
             key = _kind(w, b)
-            if key not in self.plans:
-                self.plans[key] = _PLANS.get(key) or _PLANS.setdefault(key, kernels.probe_plan(
-                    lambda c, w=w, b=b: linear(c, w, b), w.shape[1], w.dtype, self.device))
+            probed = key + (torch.backends.mkldnn.enabled, torch.get_num_threads())  # which kernel runs it
+            if probed not in _PLANS:
+                _PLANS[probed] = kernels.probe_plan(lambda c, w=w, b=b: linear(c, w, b), w.shape[1], w.dtype,
+                                                    self.device)
+            self.plans[key] = _PLANS[probed]
         self.exact = True
         return self
 
@@ -671,7 +674,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-_PLANS: dict = {}  # `_kind` -> the kernels.RowPlan its probe found: one probe per kind and process
+_PLANS: dict = {}  # (`_kind`, oneDNN on, threads) -> the kernels.RowPlan its probe found, once per process
 
 
 def _kind(w, b) -> tuple:

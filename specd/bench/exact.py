@@ -1,8 +1,9 @@
 """`specd bench --exact`: what exact passes promise, measured (issue "lossless means identical").
 
-  agreement  greedy output of every draft configuration (chains at γ 4 and "auto", token trees,
-             beams) against `draft none`, token for token, on the committed chat and code prompts;
-             and each prompt run alone against the same prompt inside a batch of 8 others
+  agreement  greedy output of every draft configuration (chains at γ 4 and "auto", token trees)
+             against `draft none`, token for token, on the committed chat and code prompts; each
+             prompt run alone against the same prompt inside a batch of 8 others; and beam search
+             (2 beams, half the tokens) speculating against beam search without
   cost       exact passes against `exact: off`, interleaved in one process: the same engine's
              decode at batch 1 and 8, tokens/s with speculation off (what exactness costs a step)
 
@@ -65,6 +66,14 @@ def agreement(engine, tokenizer, n_prompts: int = 16, max_tokens: int = 128, con
         batched.append(first_diff(run(engine, [prompts[i]] + others, spec, max_tokens)[0], base[i]))
     rows["in a batch of 9"] = batched
     progress(f"  in a batch of 9: {sum(d is None for d in batched)}/{len(prompts)} identical")
+    spec = next(iter(configs.values()), None)
+    if spec is not None:  # beam search (2 beams) speculating with the first config, against beams without
+        spec = {**spec, "gamma": 4 if spec.get("gamma") == "auto" else spec["gamma"], "tree": 0}
+        beams = [first_diff(run(engine, [p], spec, max_tokens // 2, beams=2)[0],
+                            run(engine, [p], dict(draft="none", gamma=0), max_tokens // 2, beams=2)[0])
+                 for p in prompts]
+        rows["beams 2"] = beams
+        progress(f"  beams 2: {sum(d is None for d in beams)}/{len(prompts)} identical to beams without speculation")
     return {label: {"identical": sum(d is None for d in diffs), "prompts": len(diffs),
                     "first_diff": [d for d in diffs if d is not None]} for label, diffs in rows.items()}
 
