@@ -5,13 +5,13 @@ a prefill chunk) compute a row's logits and the KV it writes with the same bits.
 Owns two things:
   attention   over the runner's slotted KV cache: a C++ kernel (`attention.cpp`, built once per
               machine with `torch.utils.cpp_extension` into the specd cache) that reduces each query
-              row over its visible keys in one fixed order; where it cannot be built (no compiler,
-              `SPECD_DISABLE=attn-kernel`, a GPU), `attention_per_row`: one SDPA call per query row
+              row over its visible keys in one fixed order; where it cannot run (no compiler,
+              `SPECD_DISABLE=attn-kernel`, a GPU's cache), `attention_per_row`: one SDPA call per query row
               over exactly its visible keys, gathered, which is row-invariant by construction (the
               same call, on the same inputs, for every width) but slow for wide passes.
-  row plans   for matmuls (`row_plan`): a linear kernel whose rows depend on how many rows a call
-              has (MKL's fp32 GEMV against its GEMM; oneDNN's bf16 past 32 rows on an AMX Xeon) is
-              probed once per weight shape at load, on the loaded weight, and then called over
+  row plans   for matmuls (`probe_plan`, `RowPlan`): a linear kernel whose rows depend on how many
+              rows a call has (MKL's fp32 GEMV against its GEMM; oneDNN's bf16 past 32 rows on an AMX
+              Xeon) is probed once per kind of weight at load, on a loaded weight, and then called over
               chunks of at most `chunk` rows, each padded to `pad` rows where fixed-shape calls are
               what agree. The probe compares every row of calls of 1..64 rows with the same row run
               alone on one thread, bitwise.
@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import math
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,15 +52,14 @@ def _cpu_tag() -> str:
 
 @functools.cache
 def extension():
-    """The compiled attention kernel, built on first use into the specd cache (about a minute on
-    2 cores, once per machine), or None where it cannot be built; why is logged once."""
+    """The compiled attention kernel, built on first use into the specd cache (about 30 s on 2
+    cores, once per machine; `specd setup` does it), or None where it cannot be built; why is logged once."""
     from ..models import cache_dir
 
     tag = _cpu_tag()
     build = cache_dir() / "kernels" / tag
     build.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-ffp-contract=fast"]
-    import platform
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
     try:
