@@ -25,21 +25,18 @@ LAYERS = 4
 CTX = 12  # context tokens before the wide pass; the pass adds up to 16
 
 
-def _runner(smollm2, layout: str) -> LlamaRunner:
-    dtype = torch.float32 if layout.startswith("fp32") else torch.bfloat16
-    model = smollm2.model if dtype == torch.float32 else _bf16(smollm2)
-    lay = {"fp32": "off", "fp32+prepacked": "on", "bf16+prepacked": "on", "bf16+native": "native"}[layout]
-    return with_layout(LlamaRunner(model, num_layers=LAYERS), lay, gguf_source("smollm2")).make_exact()
+@pytest.fixture(scope="module")
+def models(smollm2):
+    """The embedded model in fp32 (the session's) and in bf16 (loaded once here): dtype -> model."""
+    from actors.models import load_model
+
+    return {"fp32": smollm2.model, "bf16": load_model("smollm2", "bf16").model}
 
 
-_BF16 = {}
-
-
-def _bf16(smollm2):
-    if "m" not in _BF16:
-        from actors.models import load_model
-        _BF16["m"] = load_model("smollm2", "bf16").model
-    return _BF16["m"]
+def _runner(models, layout: str) -> LlamaRunner:
+    dtype, _, kind = layout.partition("+")
+    lay = {"": "off", "prepacked": "on", "native": "native"}[kind]
+    return with_layout(LlamaRunner(models[dtype], num_layers=LAYERS), lay, gguf_source("smollm2")).make_exact()
 
 
 def _single(runner, seq: torch.Tensor):
@@ -101,21 +98,21 @@ NEEDS = {"fp32+prepacked": "prepack-fp32", "bf16+prepacked": "prepack-bf16", "bf
 
 
 @pytest.mark.parametrize("layout", PATHS)
-def test_wide_passes_compute_the_single_token_passes_bits(smollm2, layout):
+def test_wide_passes_compute_the_single_token_passes_bits(models, layout):
     """Every path this machine runs is row-invariant; a path it cannot run (forced off in
     `make test-fallbacks`) is refused by its probe, and the fp32 case checks what runs instead."""
     if layout in NEEDS and not cpu.available(NEEDS[layout]):
         assert not cpu.probe(NEEDS[layout]).ok and cpu.probe(NEEDS[layout]).reason  # the fallback run: refused
         return
-    runner = _runner(smollm2, layout)
+    runner = _runner(models, layout)
     assert runner.exact
     assert invariance_failures(runner) == []
 
 
-def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(smollm2, monkeypatch):
+def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(models, monkeypatch):
     """The check above can fail: the runner's ordinary SDPA path (its exact flag off for attention
     alone), or bf16 matmuls called without their row plans, part from the single-token passes."""
-    runner = _runner(smollm2, "fp32+prepacked" if cpu.available("prepack-fp32") else "fp32")
+    runner = _runner(models, "fp32+prepacked" if cpu.available("prepack-fp32") else "fp32")
 
     def sdpa(q, kc, vc, slots, mask, lo, end, scale, softcap=None, compiled=True):  # the ordinary path
         keys, vals = kc[slots, lo:end].transpose(1, 2), vc[slots, lo:end].transpose(1, 2)
@@ -129,7 +126,7 @@ def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(smollm2, monk
     assert any("logits" in f for f in fails), fails
     monkeypatch.undo()
     if cpu.available("prepack-bf16"):  # oneDNN's bf16 rows past 32 per call differ here (its row plan)
-        bf16 = _runner(smollm2, "bf16+prepacked")
+        bf16 = _runner(models, "bf16+prepacked")
         plans = dict(bf16.plans)
         if any(p.chunk < kernels.UNBOUNDED for p in plans.values()):
             monkeypatch.setattr(bf16, "plans", {k: kernels.RowPlan(kernels.UNBOUNDED) for k in plans})
