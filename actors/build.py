@@ -417,7 +417,7 @@ def with_exact(runner: LlamaRunner, exact: str = "auto") -> LlamaRunner:
 
 def exact_info(runner: LlamaRunner) -> dict:
     """What `engine.info["exact"]`, GetStats and `specd generate --json` report."""
-    return {"exact": runner.exact, "why": getattr(runner, "exact_why", "exact: off"),
+    return {"exact": runner.exact, "why": runner.exact_why,
             "linears": {f"{k[2]} {tuple(k[3])}".replace("torch.", ""): p.label() for k, p in runner.plans.items()}}
 
 

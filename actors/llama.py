@@ -193,6 +193,7 @@ class LlamaRunner:
         # Row-invariant passes (`make_exact`): attention by `kernels.attention`, each linear called as
         # its probed `kernels.RowPlan` says (by `_kind`), so every width computes a row's bits alike.
         self.exact = False
+        self.exact_why = "exact: off"  # set by `actors.build.with_exact`
         self.compiled = False  # see `compile`
         self.plans: dict[tuple, kernels.RowPlan] = {}
         if not 1 <= self.num_layers <= total:
@@ -343,6 +344,7 @@ class LlamaRunner:
         if self.embed_scale is not None and embeds is None:
             x = x * self.embed_scale
         taps = {}
+        attn_kernel = self.exact and cpu.available("attn-kernel")
         for li, w in enumerate(self.layers):
             cos, sin = ropes[w.rope]
             mask, lo = masks[w.window]
@@ -355,7 +357,7 @@ class LlamaRunner:
             vc[slot_idx, positions] = v.to(vc.dtype)
             if self.exact:  # [B, T, H * D]: each query row in one order at every width
                 a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
-                                      self.scaling, self.attn_softcap, cpu.available("attn-kernel"))
+                                      self.scaling, self.attn_softcap, attn_kernel)
             else:
                 keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
                 vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
@@ -464,7 +466,10 @@ class LlamaRunner:
         """`linear`, called as the weight's row plan says where the runner is exact."""
         if not self.exact:
             return linear(x, w, b)
-        return kernels.apply_plan(lambda c: linear(c, w, b), x, self.plans[_kind(w, b)])
+        plan = self.plans[_kind(w, b)]
+        if not plan.pad and x.numel() <= plan.chunk * x.shape[-1]:  # one call, as the plan allows
+            return linear(x, w, b)
+        return kernels.apply_plan(lambda c: linear(c, w, b), x, plan)
 
     def weights(self) -> list[tuple]:
         """Every (weight, bias) this runner's passes multiply by: the layers' projections, the LM head."""

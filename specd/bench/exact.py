@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from actors.schema import Completion, Request, SamplingParams, SpeculationParams
+from actors.schema import Request, SamplingParams, SpeculationParams
 from actors.text import encode_prompt
 
 from ..data import load_prompts, mixed
@@ -32,16 +32,9 @@ CONFIGS = {  # label -> SpeculationParams fields (draft None: the engine's draft
 
 def run(engine, prompts: list[list[int]], spec: dict, max_tokens: int, beams: int = 1) -> list[list[int]]:
     """Greedy outputs of `prompts`, all admitted at once (the engine batches them)."""
-    keys = {}
-    for i, ids in enumerate(prompts):
-        req = Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, num_beams=beams),
-                      SpeculationParams(**spec))
-        keys[engine.add_request(req)] = i
-    deltas: dict[int, list] = {i: [] for i in keys.values()}
-    while engine.has_work():
-        for key, d in engine.step().items():
-            deltas[keys[key]].append(d)
-    return [Completion.join(deltas[i]).token_ids for i in range(len(prompts))]
+    reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, num_beams=beams),
+                    SpeculationParams(**spec)) for ids in prompts]
+    return [c.token_ids for c in engine.generate(reqs)]
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:

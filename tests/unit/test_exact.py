@@ -189,14 +189,8 @@ def exact_engine():
 
 def _greedy(engine, ids, spec, n=32, beams=1, **sampling):
     sampling = {"temperature": 0.0, **sampling}
-    key = engine.add_request(Request("r", ids, SamplingParams(max_tokens=n, num_beams=beams, **sampling),
-                                     SpeculationParams(**spec)))
-    toks = []
-    while engine.has_work():
-        d = engine.step().get(key)
-        if d is not None:
-            toks += d.token_ids
-    return toks
+    req = Request("r", ids, SamplingParams(max_tokens=n, num_beams=beams, **sampling), SpeculationParams(**spec))
+    return engine.generate([req])[0].token_ids
 
 
 def test_default_engine_speculates_without_changing_a_bit_of_greedy_output(exact_engine):
