@@ -238,7 +238,7 @@ def tensor_bytes(tensors, seen: set) -> int:
     it, a truncated draft's layers shared with the target; a torchao weight by its inner tensors)."""
     total = 0
     for t in tensors:
-        if isinstance(t, native.Int4Weight):
+        if isinstance(t, native.NativeWeight):
             total += tensor_bytes(t.tensors(), seen)
             continue
         if not isinstance(t, torch.Tensor):
@@ -368,12 +368,13 @@ def _native_weights(weights: str, model: str, dtype: str, on_cpu: bool) -> Path 
             raise ValueError(f"weights: native needs a GGUF-born model; {model!r} was not loaded from GGUF blocks. "
                              f"Set weights: auto or dense instead.")
         if not on_cpu:
-            raise ValueError("weights: native runs ATen's CPU int4 kernels; set weights: auto or dense on a GPU")
+            raise ValueError("weights: native runs CPU kernels (the block kernel or ATen's int4); set weights: auto or dense on a GPU")
         if dtype == "fp32":
             raise ValueError("weights: native computes with bf16 activations; set dtype: auto or bf16 with it")
-        cpu.require("int4pack", "weights: native", "weights: auto or dense")
+        if not native.runs_here():
+            cpu.require("block-kernel", "weights: native", "weights: auto or dense")  # names why not
         return gguf
-    return gguf if on_cpu and dtype != "fp32" and cpu.available("int4pack") else None
+    return gguf if on_cpu and dtype != "fp32" and native.runs_here() else None
 
 
 def _require_prepack(dtype: str) -> None:

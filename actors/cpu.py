@@ -13,6 +13,10 @@ on a tiny tensor before anything chooses it:
   prepack-fp32  fp32 weights in oneDNN's prepacked layout (fp32 matmuls otherwise go to MKL)
   int4pack      ATen's CPU int4 matmul over bf16 activations (`_weight_int4pack_mm_for_cpu`), what
                 a GGUF-born model's native weights run in (`native.py`)
+  block-kernel  the compiled GGUF block matmul (`kernels/blocks.cpp`, Q8 activations x Q4_1/Q8_0
+                blocks, flat in width and row-invariant), what native weights run in where it builds;
+                without it they run in ATen's int4 kernel (int4pack). Its ISA path (AVX-512 VNNI,
+                AVX2, scalar) is the best the CPU runs unless SPECD_ISA names a lower one
   attn-kernel   the row-invariant attention kernel (`kernels/attention.cpp`), built with the machine's
                 compiler on first use; without it exact passes run one SDPA call per query row
 
@@ -22,7 +26,7 @@ what to set instead.
 
 `SPECD_DISABLE` forces trials to fail, so that a developer on an AMX Xeon runs the code paths of
 an AVX2 machine: a comma-separated list of the names above, or "all" for every fast path
-(prepack-bf16, prepack-fp32, int4pack and attn-kernel; bf16 itself only by name, since every CPU runs it). Forcing
+(prepack-bf16, prepack-fp32, int4pack, block-kernel and attn-kernel; bf16 itself only by name, since every CPU runs it). Forcing
 prepack-bf16 off also switches off ATen's oneDNN route for bf16 matmuls
 (`torch.backends.mkldnn.enabled`), as that CPU check would. `reset()` re-reads the variable
 (tests set it through a fixture).
@@ -47,9 +51,10 @@ PATHS = {
     "prepack-bf16": "oneDNN's prepacked bf16 layout (and bf16 matmuls through oneDNN)",
     "prepack-fp32": "oneDNN's prepacked fp32 layout",
     "int4pack": "ATen's int4 CPU matmul (native GGUF weights)",
+    "block-kernel": "the compiled GGUF block matmul (native weights, flat in width)",
     "attn-kernel": "the compiled row-invariant attention kernel",
 }
-FAST_PATHS = ("prepack-bf16", "prepack-fp32", "int4pack", "attn-kernel")  # what SPECD_DISABLE=all forces off
+FAST_PATHS = ("prepack-bf16", "prepack-fp32", "int4pack", "block-kernel", "attn-kernel")  # what SPECD_DISABLE=all forces off
 _MKLDNN_DEFAULT = torch.backends.mkldnn.enabled
 
 
@@ -166,6 +171,21 @@ def _trial_int4pack() -> None:
     _close(Int4Weight([(q, scale, zero)])(x.bfloat16()), F.linear(x, dense), 0.1)
 
 
+def _trial_block_kernel() -> None:
+    from .kernels import blocks_extension, isa_path
+    from .native import BlockWeight, q4_1_weight
+
+    if blocks_extension() is None:
+        raise RuntimeError("the block kernel could not be built (see the log)")
+    isa_path()  # a bad SPECD_ISA is refused here
+    x, w = _tiny()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, w.shape, generator=g, dtype=torch.uint8)
+    d, m = torch.rand(w.shape[0], 1, generator=g) / 8, -torch.rand(w.shape[0], 1, generator=g)
+    d, m = d.half().float(), m.half().float()
+    _close(BlockWeight("Q4_1", (q, d, m), torch.float32)(x), F.linear(x, q4_1_weight(q, d, m)[0]), 0.1)
+
+
 def _trial_attn_kernel() -> None:
     from .kernels import trial
 
@@ -176,6 +196,7 @@ _TRIALS = {"bf16": _trial_bf16,
            "prepack-bf16": lambda: _trial_prepack(torch.bfloat16),
            "prepack-fp32": lambda: _trial_prepack(torch.float32),
            "int4pack": _trial_int4pack,
+           "block-kernel": _trial_block_kernel,
            "attn-kernel": _trial_attn_kernel}
 
 reset()

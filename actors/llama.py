@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu, kernels
-from .native import Int4Weight
+from .native import NativeWeight
 
 
 @dataclass
@@ -189,12 +189,14 @@ class LlamaRunner:
         self.num_layers = total if num_layers is None else num_layers
         self.quant = "none"  # or an int8 mode set by `actors.quant.quantize_runner`
         self.prepacked = False  # see `prepack`
-        self.native = False  # GGUF blocks in ATen's int4 layout: `actors.native.apply`
+        self.native = False  # GGUF blocks, run by the block kernel (or ATen's int4): `actors.native.apply`
         # Row-invariant passes (`make_exact`): attention by `kernels.attention`, each linear called as
         # its probed `kernels.RowPlan` says (by `_kind`), so every width computes a row's bits alike.
         self.exact = False
         self.exact_why = "exact: off"  # set by `actors.build.with_exact`
         self.compiled = False  # see `compile`
+        # Layers in the block kernel's fused calls (`fuse_blocks`): None, else each layer's fp32 norm weights
+        self.fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.plans: dict[tuple, kernels.RowPlan] = {}
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
@@ -345,37 +347,64 @@ class LlamaRunner:
             x = x * self.embed_scale
         taps = {}
         attn_kernel = self.exact and cpu.available("attn-kernel")
+        fused = self.fused
+        # a layer in three block-kernel calls and one attention call (`fuse_blocks`), the residual stream in fp32
+        one_call = fused and attn_kernel and cache.k.dtype == torch.float32
+        if fused:
+            x = x.float()
+            if one_call:
+                rot = [(c[:, :, 0].float().contiguous(), s[:, :, 0].float().contiguous()) for c, s in ropes]
         for li, w in enumerate(self.layers):
             cos, sin = ropes[w.rope]
             mask, lo = masks[w.window]
-            q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm,
-                                     w.hidden_norm)  # [B, T, *, D]
+            kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
+            if fused:  # RMSNorm + qkv in one call
+                qkv = w.wqkv(x, norm=fused[li][0], eps=self.eps)
+                if one_call:  # RoPE, the KV write and attention in one call
+                    a = kernels.attention_rope(qkv, *rot[w.rope], kc, vc, slot_idx[:, 0], positions,
+                                               None if mask is None else mask[:, 0], lo, end, H, self.scaling)
+                else:
+                    qk, v = qkv.view(B, T, H + 2 * Hkv, -1).split([H + Hkv, Hkv], 2)
+                    q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)
+            else:
+                q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm,
+                                         w.hidden_norm)  # [B, T, *, D]
             if w.hidden_norm is not None:
                 x = x[..., x.shape[-1] // 2:]
-            kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
-            kc[slot_idx, positions] = k.to(kc.dtype)
-            vc[slot_idx, positions] = v.to(vc.dtype)
-            if self.exact:  # [B, T, H * D]: each query row in one order at every width
-                a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
-                                      self.scaling, self.attn_softcap, attn_kernel)
-            else:
-                keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
-                vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
-                q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
-                if self.attn_softcap is None:
-                    a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
-                                                       scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
+            if not one_call:
+                kc[slot_idx, positions] = k.to(kc.dtype)
+                vc[slot_idx, positions] = v.to(vc.dtype)
+                if self.exact:  # [B, T, H * D]: each query row in one order at every width
+                    a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
+                                          self.scaling, self.attn_softcap, attn_kernel)
                 else:
-                    a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
-                                              self.attn_softcap)
-                a = a.transpose(1, 2).reshape(B, T, -1)
-            x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down, w.bo, w.post_attn_norm,
-                                w.post_mlp_norm)
+                    keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
+                    vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
+                    q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
+                    if self.attn_softcap is None:
+                        a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                                                           scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
+                    else:
+                        a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
+                                                  self.attn_softcap)
+                    a = a.transpose(1, 2).reshape(B, T, -1)
+            if fused:  # output projection + residual, RMSNorm + gate/up, down + residual: three calls
+                x = w.wo(a, residual=x)
+                gate, up = w.w_gate_up(x, norm=fused[li][1], eps=self.eps).chunk(2, dim=-1)
+                x = w.w_down(F.silu(gate) * up, residual=x)
+            else:
+                x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down, w.bo, w.post_attn_norm,
+                                    w.post_mlp_norm)
             if li in features:
-                taps[li] = x
+                taps[li] = x.to(self.dtype)
         for s, n in zip(slots, num_new):
             cache.lengths[s] += n
-        out = x if self.norm is None else self.rms(x, self.norm, self.eps)
+        if self.norm is None:
+            out = x.to(self.dtype)
+        elif fused:  # in the runner's dtype, as every consumer of hidden states takes them
+            out = kernels.blocks_extension().rms_norm(x, self.norm, self.eps).to(self.dtype)
+        else:
+            out = self.rms(x, self.norm, self.eps)
         if not features:
             return out
         taps[-1] = out
@@ -470,6 +499,22 @@ class LlamaRunner:
         if not plan.pad and x.numel() <= plan.chunk * x.shape[-1]:  # one call, as the plan allows
             return linear(x, w, b)
         return kernels.apply_plan(lambda c: linear(c, w, b), x, plan)
+
+    def fuse_blocks(self) -> "LlamaRunner":
+        """Run each decoder layer in the block kernel's fused calls (`native.BlockWeight`: RMSNorm
+        folded into the quantization of the next matmul's input, residual adds into the matmul's
+        output; the residual stream in fp32) where every projection is a BlockWeight and the layer
+        has nothing else (no biases, q/k norms, sandwich norms, EAGLE-3 input norm; SiLU; Llama's
+        RMSNorm). Otherwise the per-op path stays."""
+        from .native import BlockWeight
+
+        plain = all(isinstance(getattr(w, name), BlockWeight) for w in self.layers
+                    for name in ("wqkv", "wo", "w_gate_up", "w_down")) and all(
+            w.attn_norm is not None and w.bqkv is None and w.bo is None and w.q_norm is None
+            and w.hidden_norm is None and w.post_attn_norm is None for w in self.layers)
+        if plain and self.act is F.silu and self.rms is _rms_norm and self.attn_softcap is None:
+            self.fused = [(w.attn_norm.float(), w.mlp_norm.float()) for w in self.layers]
+        return self
 
     def weights(self) -> list[tuple]:
         """Every (weight, bias) this runner's passes multiply by: the layers' projections, the LM head."""
@@ -660,7 +705,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     is cached per shape, over bucketed row chunks (see ROW_CHUNK). Padded rows are zeros and
     are dropped: every real row's result is what the unpadded call gives. Not under
     torch.compile (`LlamaRunner.compile`), whose own kernels take dynamic shapes."""
-    if type(w) is Int4Weight:  # native weights: ATen's int4 kernel, not cached per shape
+    if isinstance(w, NativeWeight):  # native weights: the block kernel or ATen's int4, not cached per shape
         return w(x, b)
     if not shape_cached(x, w) or torch.compiler.is_compiling():
         return _linear(x, w, b)

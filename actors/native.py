@@ -39,11 +39,93 @@ GROUP = 32
 _Q4_1_BYTES, _Q8_0_BYTES = 20, 34  # bytes per block of 32 weights
 
 
-class Int4Weight:
-    """One or more ATen int4 matrices summed over the same input: `self(x)` is x @ W^T.
-
-    Duck-types the few attributes the runner's `linear` and warm-up read from a weight tensor."""
+class NativeWeight:
+    """A weight held in GGUF-born 4-/8-bit blocks: `self(x, b)` is x @ W^T (+ b). Duck-types the few
+    attributes the runner's `linear`, its row plans and warm-up read from a weight tensor."""
     is_mkldnn = False
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class BlockWeight(NativeWeight):
+    """The GGUF's own blocks (one kind: Q4_1 or Q8_0, possibly several matrices stacked), repacked
+    into tiles of 16 outputs for the compiled block kernel (`kernels/blocks.cpp`): activations are
+    quantized per row to Q8 blocks and each tile's weights are unpacked once per call for all its
+    rows, so the cost is nearly flat in the number of rows, and every row's bits are the same at
+    every width, thread count and ISA path. The weight is exactly the GGUF's (fp16 d and m, as
+    stored); the activations are rounded to int8 per block of 32, as llama.cpp's dot products do."""
+
+    def __init__(self, kind: str, blocks: tuple, dtype=torch.bfloat16):
+        """blocks: Q4_1 (q uint8 [N, K], d, m [N, K/32]) or Q8_0 (q int8 [N, K], d [N, K/32])."""
+        from . import kernels
+
+        self.ext = kernels.blocks_extension()
+        if self.ext is None:
+            raise RuntimeError("the block kernel could not be built")
+        self.path = kernels.isa_path()
+        n, k = blocks[0].shape
+        if k % GROUP:
+            raise ValueError(f"in_features {k} is not a multiple of the group size {GROUP}")
+        self.shape, self.dtype, self.device = torch.Size((n, k)), dtype, blocks[0].device
+        self.kind = kind
+        self.code = 0 if kind == "Q4_1" else 1
+        self.w, self.s = pack(kind, blocks)
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None, norm: torch.Tensor | None = None,
+                 eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ b); with `norm` (fp32 [K]), RMSNorm(x) @ W^T in the same call; with `residual`
+        ([..., N]), residual + x @ W^T, in the residual's dtype."""
+        y = self.ext.matmul(x, self.w, self.s, self.code, self.shape[0], self.path, norm, eps, residual)
+        return y if b is None else y + b
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w, self.s]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this computes with, [N, K] fp32 (tests): the packed tiles unpacked."""
+        n, k = self.shape
+        tiles, nb = self.w.shape[0], k // GROUP
+        s = self.s.view(torch.float16).float().view(tiles, nb, -1, TILE).permute(0, 3, 1, 2).reshape(tiles * TILE, nb, -1)
+        if self.kind == "Q4_1":
+            b = self.w.view(tiles, nb, 4, TILE, 4).permute(0, 3, 1, 2, 4)  # [tiles, lane, nb, quad, byte]
+            q = torch.stack([b & 0xF, b >> 4], 3).reshape(tiles * TILE, k)
+            return q4_1_weight(q, s[..., 0], s[..., 1])[0][:n]
+        q = self.w.view(tiles, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k).view(torch.int8)
+        return q8_0_weight(q, s[..., 0])[0][:n]
+
+
+TILE = 16  # outputs per tile of the block kernel
+
+
+def pack(kind: str, blocks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks -> the block kernel's tiles (layout in `kernels/blocks.cpp`): weights uint8
+    [tiles, K/32 * 256 (Q4_1) or 512 (Q8_0)], scales fp16 bits as int16 [tiles, K/32 * 32 or 16].
+    Rows past N (the last tile's padding) are zero weights."""
+    q = blocks[0]
+    n, k = q.shape
+    tiles, nb = -(-n // TILE), k // GROUP
+    pad = tiles * TILE - n
+
+    def padded(t):
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+    q = padded(q)
+    scales = [padded(t.to(torch.float16)) for t in blocks[1:]]  # exact: the GGUF stores fp16
+    if kind == "Q4_1":
+        q = q.to(torch.uint8).view(tiles, TILE, nb, 2, 4, 4)  # tile, lane, block, half, quad, byte
+        w = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [tiles, nb, quad, lane, byte]
+    else:
+        w = q.view(torch.uint8).view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    s = torch.stack([t.view(tiles, TILE, nb) for t in scales], 3).permute(0, 2, 3, 1)  # [tiles, nb, d|m, lane]
+    return w.reshape(tiles, -1).contiguous(), s.reshape(tiles, -1).contiguous().view(torch.int16)
+
+
+class Int4Weight(NativeWeight):
+    """One or more ATen int4 matrices summed over the same input: `self(x)` is x @ W^T (bf16
+    activations). The fallback where the block kernel cannot run (`cpu` path "block-kernel")."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype=torch.bfloat16):
         """parts: (q int [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) with w = (q - 8)·scale + zero."""
@@ -139,33 +221,44 @@ class GGUFBlocks:
         raise ValueError(f"{self.path.name}: {name} is {kind}; native weights take Q4_1 and Q8_0 blocks")
 
 
-_BUILT: "weakref.WeakValueDictionary[tuple, Int4Weight]" = weakref.WeakValueDictionary()
+_BUILT: "weakref.WeakValueDictionary[tuple, NativeWeight]" = weakref.WeakValueDictionary()
 
 
 def _native(blocks: GGUFBlocks, names: list[str], rows: list[torch.Tensor | None], expect: torch.Tensor,
-            dtype: torch.dtype) -> Int4Weight:
-    """The GGUF tensors `names`, rows permuted by `rows` and stacked, as one Int4Weight; checked
-    exact against `expect` (the runner's weight, [N, K], in fp32 or rounded to its dtype)."""
-    key = (str(blocks.path), tuple(names), dtype, expect.dtype, expect.data_ptr())  # checked against these weights
+            dtype: torch.dtype) -> NativeWeight:
+    """The GGUF tensors `names`, rows permuted by `rows` and stacked, as one native weight (the
+    block kernel's where it runs here, else ATen's int4); checked exact against `expect` (the
+    runner's weight, [N, K], in fp32 or rounded to its dtype)."""
+    from . import cpu, kernels
+
+    kernel = cpu.available("block-kernel")
+    key = (str(blocks.path), tuple(names), dtype, expect.dtype, expect.data_ptr(), kernel,
+           kernel and kernels.isa_path())  # checked against these weights, built for this path
     if key in _BUILT:
         return _BUILT[key]
-    dense, parts = [], []
+    dense, raw, parts, kinds = [], [], [], set()
     for name, perm in zip(names, rows):
         kind, b = blocks.matrix(name)
         if perm is not None:
             b = tuple(t[perm] for t in b)
         w, p = q4_1_weight(*b) if kind == "Q4_1" else q8_0_weight(*b)
         dense.append(w)
+        raw.append(b)
         parts.append([p] if kind == "Q4_1" else p)
-    if len({len(p) for p in parts}) != 1:
+        kinds.add(kind)
+    if len(kinds) != 1:
         raise ValueError(f"{names}: mixed block types cannot be fused")
     got = torch.cat(dense).to(expect.dtype)
     if got.shape != expect.shape or not torch.equal(got, expect):
         diff = "shape " + str(tuple(got.shape)) if got.shape != expect.shape else \
             f"max |diff| {(got - expect.float()).abs().max().item():.3g}"
         raise ValueError(f"{blocks.path.name}: {'+'.join(names)} does not dequantise to the model's weight ({diff})")
-    fused = [tuple(torch.cat([p[i][j] for p in parts]) for j in range(3)) for i in range(len(parts[0]))]
-    _BUILT[key] = w = Int4Weight(fused, dtype)
+    if kernel:
+        w = BlockWeight(kinds.pop(), tuple(torch.cat(t) for t in zip(*raw)), dtype)
+    else:
+        w = Int4Weight([tuple(torch.cat([p[i][j] for p in parts]) for j in range(3)) for i in range(len(parts[0]))],
+                       dtype)
+    _BUILT[key] = w
     return w
 
 
@@ -174,7 +267,7 @@ def apply(runner, gguf_path: Path):
     in place: its four projections per layer and its LM head become `Int4Weight`s (bf16
     activations; a runner in bf16 runs without a cast). Returns the runner, `.native` set."""
     if runner.device.type != "cpu":
-        raise ValueError("native weights run on a CPU (ATen's int4pack CPU kernels)")
+        raise ValueError("native weights run on a CPU (the block kernel or ATen's int4 kernel)")
     blocks = _blocks(str(gguf_path))
     if blocks.arch != "llama" or runner.config.model_type != "llama":
         raise ValueError(f"native weights: only Llama GGUFs are mapped, not {blocks.arch!r}")
@@ -191,7 +284,15 @@ def apply(runner, gguf_path: Path):
     head = "output.weight" if "output.weight" in blocks.tensors else "token_embd.weight"
     runner.lm_head = _native(blocks, [head], [None], runner.lm_head, bf16)
     runner.native = True
+    runner.fuse_blocks()
     return runner
+
+
+def runs_here() -> bool:
+    """Whether native weights run on this CPU: in the block kernel, or else in ATen's int4 kernel."""
+    from . import cpu
+
+    return cpu.available("block-kernel") or cpu.available("int4pack")
 
 
 @functools.lru_cache(maxsize=2)

@@ -116,7 +116,7 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
         if cpu.available(PACKABLE[m.dtype]):
             formats[f"{name}+prepacked"] = with_prepack(LlamaRunner(m), "on")
     gguf = gguf_source(model)
-    if gguf is not None and cpu.available("int4pack"):  # the GGUF's own blocks (actors/native.py): bf16 activations
+    if gguf is not None and native.runs_here():  # the GGUF's own blocks (actors/native.py)
         if "bf16" not in models:
             models["bf16"] = load_model(model, "bf16").model
         formats["bf16+native"] = native.apply(LlamaRunner(models["bf16"]), gguf)

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import math
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,45 +34,79 @@ import torch.nn.functional as F
 
 log = logging.getLogger("specd")
 SOURCE = Path(__file__).with_name("attention.cpp")
+BLOCKS_SOURCE = Path(__file__).with_name("blocks.cpp")
+ISA_ENV = "SPECD_ISA"
+ISAS = ("scalar", "avx2", "avx512")  # the block kernel's paths, by rank (blocks.cpp)
 
 
-def _cpu_tag() -> str:
-    """The build's key: the source, torch's version and this CPU's flags (a build for one CPU's ISA
-    never runs on another that shares the cache)."""
-    flags = ""
+def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    h = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode())
-    return h.hexdigest()[:12]
+    return ""
+
+
+# at::parallel_for is header code: without OpenMP in the extension's own build it runs one thread
+_OPENMP = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+
+
+def _build(name: str, source: Path, flags: list[str]):
+    """`source` compiled by `torch.utils.cpp_extension` into the specd cache, keyed by the source,
+    torch's version and this CPU's flags (a build for one CPU's ISA never runs on another that
+    shares the cache); None where it cannot be built, why logged once."""
+    from ..models import cache_dir
+
+    tag = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+                         + " ".join(flags).encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / tag
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(name=f"specd_{name}_{tag}", sources=[str(source)], extra_cflags=flags,
+                                  extra_ldflags=[f for f in flags if f == "-fopenmp"], build_directory=str(build),
+                                  verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the fallback serves
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        log.warning("specd: the %s kernel could not be built (%s); the ATen fallback serves instead "
+                    "(same results where exact, slower)", name, msg[:300])
+        return None
 
 
 @functools.cache
 def extension():
-    """The compiled attention kernel, built on first use into the specd cache (about 30 s on 2
-    cores, once per machine; `specd setup` does it), or None where it cannot be built; why is logged once."""
-    from ..models import cache_dir
-
-    tag = _cpu_tag()
-    build = cache_dir() / "kernels" / tag
-    build.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-ffp-contract=fast"]
+    """The compiled attention kernel, built on first use (about 30 s on 2 cores, once per machine;
+    `specd setup` does it), or None where it cannot be built."""
+    flags = ["-O3", "-ffp-contract=fast"] + _OPENMP
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
-    try:
-        from torch.utils import cpp_extension
+    return _build("attention", SOURCE, flags)
 
-        return cpp_extension.load(name=f"specd_attention_{tag}", sources=[str(SOURCE)], extra_cflags=flags,
-                                  build_directory=str(build), verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the fallback serves
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        log.warning("specd: the attention kernel could not be built (%s); attention runs one SDPA call per "
-                    "query row instead (exact, slower for wide passes)", msg[:300])
-        return None
+
+@functools.cache
+def blocks_extension():
+    """The compiled GGUF block matmul (`blocks.cpp`), or None where it cannot be built. Built for the
+    baseline ISA with each fast path behind a target attribute (so that SPECD_ISA=avx2 runs AVX2
+    code only, as an AVX2 machine would), contraction off (the paths agree bit for bit)."""
+    return _build("blocks", BLOCKS_SOURCE, ["-O3", "-ffp-contract=off"] + _OPENMP)
+
+
+def isa_path() -> int:
+    """The block kernel's ISA path (index into ISAS): the best this CPU runs, or lower where SPECD_ISA
+    names one (tests and users emulating an older CPU); naming one the CPU lacks is an error."""
+    ext = blocks_extension()
+    best = ext.isa() if ext is not None else 0
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    if not want:
+        return best
+    if want not in ISAS:
+        raise ValueError(f"{ISA_ENV}={want!r}: expected one of {list(ISAS)}")
+    if ISAS.index(want) > best:
+        raise ValueError(f"{ISA_ENV}={want}: this CPU runs at most {ISAS[best]}")
+    return ISAS.index(want)
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
@@ -85,6 +120,17 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.
         m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
         return extension().attend(q, kc, vc, slots, m, lo, end, scale, softcap or 0.0)
     return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap)
+
+
+def attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                   slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, lo: int, end: int,
+                   heads: int, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """`attention` from a fused qkv projection [B, T, (H + 2 Hkv) * D] fp32, in one kernel call: the
+    query and key heads rotated (cos, sin fp32 [B, T, R] at each token's RoPE position), the keys and
+    values written at `positions` [B, T] of each row's slot, then attention. The caller checked that
+    the kernel runs (`cpu.available("attn-kernel")`) and that the cache is fp32 on the CPU."""
+    m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
+    return extension().attend_rope(qkv, cos, sin, kc, vc, slots, positions, m, lo, end, heads, scale, softcap or 0.0)
 
 
 def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None) -> torch.Tensor:

@@ -238,6 +238,59 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
   return out;
 }
 
+// `attend` fed by a fused qkv projection: qkv [B, T, (H + 2 Hkv) * D] fp32 (contiguous) is split
+// into heads; the query and key heads are rotated (HF's rotate_half RoPE over the first R dims: x *
+// cos + rotate_half(x) * sin, per element, with cos, sin [B, T, R] fp32 at each token's RoPE
+// position); the keys and values are written into kc, vc at cache positions [B, T] (int64) of each
+// row's slot; then attention as `attend`. One call for what takes a dozen small ops otherwise.
+torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots,
+                          const torch::Tensor& positions, const torch::Tensor& mask, int64_t lo, int64_t end,
+                          int64_t H, double scale, double softcap) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "qkv: contiguous fp32 [B, T, *]");
+  TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
+              vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [S, L, Hkv, D] fp32");
+  const int64_t B = qkv.size(0), T = qkv.size(1), L = kc.size(1), Hkv = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(qkv.size(2) == (H + 2 * Hkv) * D, "qkv has ", qkv.size(2), " features, expected (H + 2 Hkv) D");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == sin.numel() && cos.numel() % (B * T) == 0, "cos, sin: fp32 [B, T, R]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == B * T,
+              "positions: int64 [B, T]");
+  const int64_t R = cos.numel() / (B * T), half = R / 2;
+  TORCH_CHECK(R % 2 == 0 && R <= D, "rotary dims ", R, " for head dim ", D);
+  auto q = torch::empty({B, T, H, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* slp = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(0 <= pp[i] && pp[i] < L, "cache position ", pp[i], " outside [0, ", L, ")");
+  at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t stop) {
+    for (int64_t i = begin; i < stop; ++i) {
+      const float* row = src + i * (H + 2 * Hkv) * D;
+      const float* c = cp + i * R;
+      const float* s = sp + i * R;
+      const int64_t base = (slp[i / T] * L + pp[i]) * Hkv * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        const float* x = row + h * D;
+        float* y = h < H ? qp + (i * H + h) * D : kp + base + (h - H) * D;
+        for (int64_t d = 0; d < half; ++d) {
+          y[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+          y[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
+        }
+        for (int64_t d = R; d < D; ++d) y[d] = x[d];
+      }
+      std::memcpy(vp + base, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+    }
+  });
+  return attend(q, kc, vc, slots, mask, lo, end, scale, softcap);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "row-invariant attention over a slotted KV cache");
+  m.def("attend_rope", &attend_rope, "RoPE, the KV write and row-invariant attention from a fused qkv");
 }

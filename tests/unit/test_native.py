@@ -1,8 +1,9 @@
-"""Native weights (`actors/native.py`): the embedded GGUF's own Q4_1 / Q8_0 blocks in ATen's int4
-CPU layout. They are the model's weights (the blocks dequantise exactly to the fp32 model's), the
-Q8_0 split into two int4 matrices is exact, speculation over a native target is exact (its
-outputs are speculation off's, token for token), and a CPU without the kernel (SPECD_DISABLE=int4pack) never gets
-them under auto and is told why under `weights: native`."""
+"""Native weights (`actors/native.py`): the embedded GGUF's own Q4_1 / Q8_0 blocks, in the block
+kernel's tiles or (without it) ATen's int4 CPU layout. They are the model's weights (the blocks
+dequantise exactly to the fp32 model's), the Q8_0 split into two int4 matrices is exact, speculation
+over a native target is exact (its outputs are speculation off's, token for token), and a CPU
+without either kernel (SPECD_DISABLE=int4pack,block-kernel) never gets them under auto and is told
+why under `weights: native`."""
 from __future__ import annotations
 
 import weakref
@@ -19,27 +20,37 @@ from helpers import chat_ids
 
 
 @pytest.fixture(autouse=True)
-def int4_kernel_on(monkeypatch):
-    """These tests are about the int4 path itself: run it even where a run forces every optional
-    path off (`make test-fallbacks`, SPECD_DISABLE=all); its absence is tested below by name."""
-    monkeypatch.setenv(cpu.DISABLE_ENV, ",".join(sorted(cpu.forced_off() - {"int4pack"})))
+def native_kernels_on(monkeypatch):
+    """These tests are about the native paths themselves: run them even where a run forces every
+    optional path off (`make test-fallbacks`, SPECD_DISABLE=all); their absence is tested below by name."""
+    monkeypatch.setenv(cpu.DISABLE_ENV, ",".join(sorted(cpu.forced_off() - {"int4pack", "block-kernel"})))
     cpu.reset()
     yield
     monkeypatch.undo()
     cpu.reset()
 
 
-def test_the_blocks_dequantise_to_the_models_weights_and_a_wrong_mapping_is_refused(smollm2, monkeypatch):
+@pytest.mark.parametrize("kernel", ["block-kernel", "int4pack"])
+def test_the_blocks_dequantise_to_the_models_weights_and_a_wrong_mapping_is_refused(smollm2, monkeypatch, kernel):
     """`apply` checks every matrix against the fp32 model (raising otherwise): two layers and the
-    LM head pass, and each int4 matrix computes its weight up to bf16 rounding (of its group's
-    scale and zero, and of the bf16 result). Without transformers' q/k row permutation (a
-    plausible mapping bug) it refuses."""
+    LM head pass. The block kernel holds the GGUF's blocks as they are: its weights are the fp32
+    model's exactly. ATen's int4 matrices (where the block kernel is off) compute each weight up to
+    bf16 rounding (of its group's scale and zero, and of the bf16 result). Without transformers'
+    q/k row permutation (a plausible mapping bug) it refuses."""
+    if kernel == "int4pack":
+        monkeypatch.setenv(cpu.DISABLE_ENV, ",".join(sorted(cpu.forced_off() | {"block-kernel"})))
+        cpu.reset()
     runner = LlamaRunner(smollm2.model, num_layers=2)
     dense = runner.layers[0].w_gate_up.clone(), runner.lm_head.clone()
     native.apply(runner, gguf_source("smollm2"))
-    assert runner.native and isinstance(runner.layers[1].wqkv, native.Int4Weight)
+    want = native.BlockWeight if kernel == "block-kernel" else native.Int4Weight
+    assert runner.native and isinstance(runner.layers[1].wqkv, want)
+    assert (runner.fused is not None) == (kernel == "block-kernel")  # one call per projection, norms folded in
     for w, ref in zip((runner.layers[0].w_gate_up, runner.lm_head), dense):
         got = w.dequantize()
+        if kernel == "block-kernel":
+            assert torch.equal(got, ref)
+            continue
         assert got.shape == ref.shape and not torch.equal(got, ref)  # bf16 scales: close, not equal
         # per weight: within bf16's rounding of it (the kernel's output here) and of its group's scale and
         # zero, which is relative to the largest weight of its group of 32
@@ -90,9 +101,9 @@ def test_speculation_over_a_native_target_is_exact(smollm2):
         assert _greedy(eng, prompts, draft, gamma, tree) == plain, (draft, tree)
 
 
-def test_without_the_int4_kernel_auto_keeps_dense_weights_and_native_is_refused(cpu_paths_off):
-    cpu_paths_off("int4pack")
-    with pytest.raises(ValueError, match="weights: native needs ATen's int4 CPU matmul.*Set weights: auto or dense"):
+def test_without_either_kernel_auto_keeps_dense_weights_and_native_is_refused(cpu_paths_off):
+    cpu_paths_off("int4pack,block-kernel")
+    with pytest.raises(ValueError, match="weights: native needs the compiled GGUF block matmul.*Set weights: auto or dense"):
         load_target("smollm2", "bf16", max_batch=1, device="cpu", weights="native")
     assert build_engine("smollm2", [], "bf16", max_batch=1, max_len=64, device="cpu").engine.info["weights"] == "dense"
 

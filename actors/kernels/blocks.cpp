@@ -1,0 +1,413 @@
+// GGUF block matmul on the CPU: y = x @ W^T with W in its own Q4_1 / Q8_0 blocks of 32 weights and
+// x quantized per row to Q8 blocks (int8 q, one fp32 scale per 32, as llama.cpp's Q8 dot products
+// do), for every width of pass (actors/kernels/__init__.py, actors/native.py).
+//
+// Flat in width: a thread owns a tile of 16 outputs; for each block of 32 inputs it unpacks the
+// tile's weights once into registers and applies them to every row of the call (up to ROWS rows a
+// sweep), so a call of 8 rows reads the weights as often as a call of one.
+//
+// Row-invariant by construction, and the same bits on every ISA path: for one output of one row the
+// sum over a block is an exact integer (int8 x 4-bit or int8, int32 lanes), and the blocks are then
+// accumulated in block order with the same fp32 operations on every path (a float of the integer,
+// times the weight block's scale, fused-multiply-added at the row's scale; Q4_1's minimum terms
+// fused-multiply-added at the row's block sums into a second sum, added to the first at the end). Nothing about the row depends on the other rows, the
+// number of rows or the thread count (no reduction is split across threads), and AVX-512 VNNI,
+// AVX2 and the scalar loop compute the same integers and the same fp32 sequence.
+//
+// ISA paths: AVX-512 (F/BW/VL/VNNI: vpdpbusd over 16 outputs), AVX2+FMA+F16C (vpmaddubsw over 8
+// outputs, twice per tile), and scalar C++ (any CPU; the tests' reference). Each is compiled with a
+// target attribute, so the library runs on any x86-64 CPU; `isa()` says what this CPU can run and
+// the caller picks at most that (SPECD_ISA forces a lower one to test it).
+//
+// Layouts (built in Python by actors/native.py::pack): for tile t of 16 outputs and block b,
+//   Q4_1 weights: 256 bytes = [i 0..3][lane 0..15][byte 0..3]; the low nibble of byte (i, j, c) is
+//                 the weight of output 16t+j at input 32b+4i+c, its high nibble the one at 32b+16+4i+c;
+//                 scales: 32 fp16 = the 16 outputs' d, then their m (w = d*q + m).
+//   Q8_0 weights: 512 bytes = [i 0..7][lane 0..15][byte 0..3], int8 at input 32b+4i+c;
+//                 scales: 16 fp16 d (w = d*q).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SPECD_X86 1
+#endif
+
+namespace {
+
+constexpr int G = 32;      // weights per block
+constexpr int NT = 16;     // outputs per tile
+constexpr int ROWS = 32;   // rows a sweep over one tile's blocks takes
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+enum Kind : int64_t { Q4_1 = 0, Q8_0 = 1 };
+
+int tile_bytes(int64_t kind) { return kind == Q4_1 ? 256 : 512; }
+int tile_scales(int64_t kind) { return kind == Q4_1 ? 32 : 16; }
+
+// One call's rows as Q8 blocks: q [M, K], per block its scale d and the integer sum of its q.
+struct Act {
+  const int8_t* q;
+  const float* d;
+  const int32_t* isum;
+  int64_t K, nb;
+};
+
+float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// ---- activation quantization: d = max|x| / 127, q = round-to-nearest-even(x / d) computed as
+// x * (1 / d); the same operations on every path.
+void quant_block_scalar(const float* x, int8_t* q, float* d, int32_t* isum) {
+  float amax = 0.f;
+  for (int k = 0; k < G; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+  int32_t s = 0;
+  for (int k = 0; k < G; ++k) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
+    q[k] = static_cast<int8_t>(v);
+    s += v;
+  }
+  *d = dd;
+  *isum = s;
+}
+
+// ---- the scalar path: the reference every other path agrees with bitwise
+void tile_scalar(int64_t kind, const uint8_t* W, const uint16_t* S, const Act& a, int64_t r0, int64_t rows,
+                 float* acc) {
+  float accm[ROWS * NT] = {};
+  std::fill(acc, acc + rows * NT, 0.f);
+  const int tb = tile_bytes(kind), ts = tile_scales(kind);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* wb = W + b * tb;
+    const uint16_t* sb = S + b * ts;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* xq = a.q + (r0 + r) * a.K + b * G;
+      const float dx = a.d[(r0 + r) * a.nb + b];
+      const float sx = static_cast<float>(a.isum[(r0 + r) * a.nb + b]) * dx;
+      for (int j = 0; j < NT; ++j) {
+        int32_t dot = 0;
+        if (kind == Q4_1) {
+          for (int i = 0; i < 4; ++i)
+            for (int c = 0; c < 4; ++c) {
+              const uint8_t byte = wb[(i * NT + j) * 4 + c];
+              dot += static_cast<int32_t>(byte & 0xF) * xq[4 * i + c] + static_cast<int32_t>(byte >> 4) * xq[16 + 4 * i + c];
+            }
+        } else {
+          for (int i = 0; i < 8; ++i)
+            for (int c = 0; c < 4; ++c)
+              dot += static_cast<int32_t>(static_cast<int8_t>(wb[(i * NT + j) * 4 + c])) * xq[4 * i + c];
+        }
+        const float u = static_cast<float>(dot) * half_to_float(sb[j]);
+        acc[r * NT + j] = std::fma(u, dx, acc[r * NT + j]);
+        if (kind == Q4_1) accm[r * NT + j] = std::fma(half_to_float(sb[NT + j]), sx, accm[r * NT + j]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows * NT; ++i) acc[i] += accm[i];
+}
+
+#ifdef SPECD_X86
+// ---- AVX2 + FMA + F16C: a tile as two halves of 8 outputs
+__attribute__((target("avx2,fma,f16c"))) void quant_block_avx2(const float* x, int8_t* q, float* d, int32_t* isum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int k = 0; k < G; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.f;
+  for (float v : lanes) amax = std::max(amax, v);
+  const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i s = _mm256_setzero_si256();
+  alignas(32) int32_t v[G];
+  for (int k = 0; k < G; k += 8) {
+    const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vid));  // MXCSR: nearest-even
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v + k), qi);
+    s = _mm256_add_epi32(s, qi);
+  }
+  for (int k = 0; k < G; ++k) q[k] = static_cast<int8_t>(v[k]);
+  alignas(32) int32_t sl[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sl), s);
+  int32_t t = 0;
+  for (int32_t e : sl) t += e;
+  *d = dd;
+  *isum = t;
+}
+
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(int64_t kind, const uint8_t* W, const uint16_t* S,
+                                                        const Act& a, int64_t r0, int64_t rows, float* acc) {
+  const int tb = tile_bytes(kind), ts = tile_scales(kind);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  alignas(32) float accm[ROWS * NT];
+  for (int64_t r = 0; r < rows * NT; r += 8) {
+    _mm256_storeu_ps(acc + r, _mm256_setzero_ps());
+    _mm256_storeu_ps(accm + r, _mm256_setzero_ps());
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* wb = W + b * tb;
+    const uint16_t* sb = S + b * ts;
+    for (int h = 0; h < 2; ++h) {
+      __m256i w[8];
+      if (kind == Q4_1) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
+          w[i] = _mm256_and_si256(raw, low);
+          w[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i * 64 + h * 32));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * h)));
+      const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + NT + 8 * h)))
+                                    : _mm256_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + (r0 + r) * a.K + b * G);
+        __m256i dot;
+        if (kind == Q4_1) {  // u4 x s8 pairs <= 2*15*127, eight of them fit an int16
+          __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+          for (int i = 1; i < 8; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(xq[i])));
+          dot = _mm256_madd_epi16(p, ones);
+        } else {  // |w| x (x signed as w): pairs <= 2*128*127
+          dot = _mm256_setzero_si256();
+          for (int i = 0; i < 8; ++i) {
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[i]), w[i]);
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[i]), xs), ones));
+          }
+        }
+        const float dx = a.d[(r0 + r) * a.nb + b];
+        float* ar = acc + r * NT + 8 * h;
+        _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), d), _mm256_set1_ps(dx),
+                                             _mm256_loadu_ps(ar)));
+        if (kind == Q4_1) {
+          const float sx = static_cast<float>(a.isum[(r0 + r) * a.nb + b]) * dx;
+          float* mr = accm + r * NT + 8 * h;
+          _mm256_storeu_ps(mr, _mm256_fmadd_ps(m, _mm256_set1_ps(sx), _mm256_loadu_ps(mr)));
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows * NT; r += 8)
+    _mm256_storeu_ps(acc + r, _mm256_add_ps(_mm256_loadu_ps(acc + r), _mm256_loadu_ps(accm + r)));
+}
+
+// ---- AVX-512 F/BW/VL/VNNI: a tile in one register of 16 int32 lanes
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void quant_block_avx512(
+    const float* x, int8_t* q, float* d, int32_t* isum) {
+  const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+  const __m512 vid = _mm512_set1_ps(id);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), vid));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), vid));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  *d = dd;
+  *isum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+// R rows of one tile, their accumulators in registers across the blocks (d-terms and Q4_1's m-terms apart).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) inline void rows_avx512(
+    int64_t kind, const uint8_t* W, const uint16_t* S, const Act& a, int64_t r0, float* acc) {
+  const int tb = tile_bytes(kind), ts = tile_scales(kind);
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 ad[R], am[R];
+  for (int r = 0; r < R; ++r) ad[r] = am[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* wb = W + b * tb;
+    const uint16_t* sb = S + b * ts;
+    __m512i w[8];
+    if (kind == Q4_1) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i raw = _mm512_loadu_si512(wb + i * 64);
+        w[i] = _mm512_and_si512(raw, low);
+        w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+    } else {  // int8 w as the unsigned w + 128; the row's 128 * sum(q) taken off after
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(_mm512_loadu_si512(wb + i * 64), flip);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + (r0 + r) * a.K + b * G);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(xq[i]));
+        s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(xq[i + 1]));
+      }
+      __m512i dot = _mm512_add_epi32(s0, s1);
+      const int32_t isum = a.isum[(r0 + r) * a.nb + b];
+      if (kind == Q8_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * isum));
+      const float dx = a.d[(r0 + r) * a.nb + b];
+      ad[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), _mm512_set1_ps(dx), ad[r]);
+      if (kind == Q4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + NT)));
+        am[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(static_cast<float>(isum) * dx), am[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * NT, _mm512_add_ps(ad[r], am[r]));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void tile_avx512(
+    int64_t kind, const uint8_t* W, const uint16_t* S, const Act& a, int64_t r0, int64_t rows, float* acc) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) rows_avx512<4>(kind, W, S, a, r0 + r, acc + r * NT);
+  switch (rows - r) {
+    case 3: rows_avx512<3>(kind, W, S, a, r0 + r, acc + r * NT); break;
+    case 2: rows_avx512<2>(kind, W, S, a, r0 + r, acc + r * NT); break;
+    case 1: rows_avx512<1>(kind, W, S, a, r0 + r, acc + r * NT); break;
+    default: break;
+  }
+}
+#endif
+
+int64_t isa() {
+#ifdef SPECD_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return AVX2;
+#endif
+  return SCALAR;
+}
+
+void quant_block(int64_t path, const float* x, int8_t* q, float* d, int32_t* isum) {
+#ifdef SPECD_X86
+  if (path == AVX512) return quant_block_avx512(x, q, d, isum);
+  if (path == AVX2) return quant_block_avx2(x, q, d, isum);
+#endif
+  quant_block_scalar(x, q, d, isum);
+}
+
+void tile(int64_t path, int64_t kind, const uint8_t* W, const uint16_t* S, const Act& a, int64_t r0, int64_t rows,
+          float* acc) {
+#ifdef SPECD_X86
+  if (path == AVX512) return tile_avx512(kind, W, S, a, r0, rows, acc);
+  if (path == AVX2) return tile_avx2(kind, W, S, a, r0, rows, acc);
+#endif
+  tile_scalar(kind, W, S, a, r0, rows, acc);
+}
+
+// The row's RMSNorm in one order at every width and on every path: x^2 summed in 16 partial sums
+// by index (mul then add: built without contraction), combined pairwise; y = (x * (1 / sqrt(mean + eps))) * w.
+void rms_row(const float* x, const float* w, float eps, int64_t K, float* y) {
+  float part[16] = {};
+  int64_t k0 = 0;
+  for (; k0 + 16 <= K; k0 += 16)
+    for (int j = 0; j < 16; ++j) part[j] += x[k0 + j] * x[k0 + j];
+  for (int j = 0; k0 + j < K; ++j) part[j] += x[k0 + j] * x[k0 + j];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) part[i] += part[i + width];
+  const float r = 1.f / std::sqrt(part[0] / static_cast<float>(K) + eps);
+  for (int64_t k = 0; k < K; ++k) y[k] = (x[k] * r) * w[k];
+}
+
+// y [..., n] = prep(x [..., K]) @ W^T (+ residual); W packed [tiles, K/32 * tile bytes] uint8, S [tiles, K/32 *
+// tile scales] fp16 bits (int16). prep: x as is, or RMSNorm(x) with `norm` (fp32 [K]) and `eps`
+// where norm is defined (x is then normalised per row before its quantization: a norm and the
+// matmul after it in one call). residual, where defined, is [..., n] and added to the result. x in
+// fp32 or bf16; y in x's dtype (the residual's, where given).
+torch::Tensor matmul(torch::Tensor x_in, torch::Tensor W, torch::Tensor S, int64_t kind, int64_t n, int64_t path,
+                     c10::optional<torch::Tensor> norm, double eps, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "x must be a CPU tensor");
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = n;
+  const auto x = x_in.reshape({-1, x_in.size(-1)});
+  TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(path >= SCALAR && path <= isa(), "ISA path ", path, " is not supported by this CPU (best: ", isa(), ")");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / G, tiles = W.size(0);
+  TORCH_CHECK(K % G == 0, "in_features ", K, " is not a multiple of ", G);
+  TORCH_CHECK(W.dtype() == torch::kUInt8 && W.is_contiguous() && W.size(1) == nb * tile_bytes(kind), "bad packed weight");
+  TORCH_CHECK(S.dtype() == torch::kInt16 && S.is_contiguous() && S.size(1) == nb * tile_scales(kind), "bad scales");
+  TORCH_CHECK(n <= tiles * NT, "n ", n, " exceeds the packed tiles");
+  torch::Tensor nw;
+  if (norm.has_value()) {
+    nw = norm->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(nw.numel() == K, "norm weight has ", nw.numel(), " elements for ", K, " features");
+  }
+  torch::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.numel() == M * n && res.size(-1) == n, "residual must be [..., n] with x's rows");
+  }
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  // The quantized rows in buffers kept per thread across calls (a call is a few microseconds at one row).
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> is;
+  q.resize(M * K);
+  d.resize(M * nb);
+  is.resize(M * nb);
+  {
+    const float* xp = xf.data_ptr<float>();
+    const float* np = nw.defined() ? nw.data_ptr<float>() : nullptr;
+    int8_t* qp = q.data();
+    float* dp = d.data();
+    int32_t* ip = is.data();
+    auto quantize = [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(np ? K : 0);
+      for (int64_t r = lo; r < hi; ++r) {
+        const float* src = xp + r * K;
+        if (np) {
+          rms_row(src, np, static_cast<float>(eps), K, row.data());
+          src = row.data();
+        }
+        for (int64_t b = 0; b < nb; ++b)
+          quant_block(path, src + b * G, qp + r * K + b * G, dp + r * nb + b, ip + r * nb + b);
+      }
+    };
+    if (M == 1) quantize(0, 1); else at::parallel_for(0, M, 1, quantize);
+  }
+  const Act a{q.data(), d.data(), is.data(), K, nb};
+  auto y = torch::empty({M, n}, torch::kFloat32);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* Wp = W.data_ptr<uint8_t>();
+  const uint16_t* Sp = reinterpret_cast<const uint16_t*>(S.data_ptr<int16_t>());
+  const int64_t wstride = W.size(1), sstride = S.size(1);
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float acc[ROWS * NT];
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t cols = std::min<int64_t>(NT, n - t * NT);
+      for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+        const int64_t rows = std::min<int64_t>(ROWS, M - r0);
+        tile(path, kind, Wp + t * wstride, Sp + t * sstride, a, r0, rows, acc);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(yp + (r0 + r) * n + t * NT, acc + r * NT, cols * sizeof(float));
+      }
+    }
+  });
+  if (res.defined()) {
+    y.add_(res.to(torch::kFloat32).view({M, n}));  // one rounding per element, at every width
+    return (res.scalar_type() == torch::kFloat32 ? y : y.to(res.scalar_type())).view(out_shape);
+  }
+  return (x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type())).view(out_shape);
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  const auto wf = w.to(torch::kFloat32).contiguous();
+  auto y = torch::empty_like(xf);
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = wf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) rms_row(xp + r * K, wp, static_cast<float>(eps), K, yp + r * K);
+  });
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("matmul", &matmul, "x @ W^T over GGUF Q4_1 / Q8_0 blocks, activations as Q8 blocks", py::arg("x"),
+        py::arg("W"), py::arg("S"), py::arg("kind"), py::arg("n"), py::arg("path"), py::arg("norm") = py::none(),
+        py::arg("eps") = 0.0, py::arg("residual") = py::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, in one order at every width");
+  m.def("isa", &isa, "the best ISA path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI");
+}
