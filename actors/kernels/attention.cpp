@@ -12,6 +12,7 @@
 // compiler reassociates no reduction with a length-dependent tail.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 #include <cstdint>
@@ -130,6 +131,7 @@ inline void weigh(const float* const* p, const float* v, int64_t vstride, int64_
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                      const torch::Tensor& slots, const torch::Tensor& mask, int64_t lo, int64_t end,
                      double scale, double softcap) {
+  RECORD_FUNCTION("specd::attention", std::vector<c10::IValue>());  // what the profiler shows
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q: [B, T, H, D] fp32");
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
               vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [S, L, Hkv, D] fp32");
@@ -247,6 +249,7 @@ torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, co
                           torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots,
                           const torch::Tensor& positions, const torch::Tensor& mask, int64_t lo, int64_t end,
                           int64_t H, double scale, double softcap) {
+  RECORD_FUNCTION("specd::rope_kv_write", std::vector<c10::IValue>());
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "qkv: contiguous fp32 [B, T, *]");
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
               vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [S, L, Hkv, D] fp32");

@@ -103,10 +103,12 @@ def step_profile(built, prompt_ids: list[int], steps: int = 8) -> dict:
     eng.abort(key)
     families = {"matmul (linear, LM head)": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
                                              "mkldnn::_linear_pointwise",  # prepacked weights (LlamaRunner.prepack)
-                                             "aten::_weight_int4pack_mm"),  # native weights (actors/native.py)
-                "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::softmax"),
-                "KV cache write/read": ("aten::index_put", "aten::_index_put_impl_", "aten::index"),
-                "norms": ("aten::rms_norm", "aten::_fused_rms_norm")}
+                                             "aten::_weight_int4pack_mm",  # native weights (actors/native.py)
+                                             "specd::block_matmul"),  # in the block kernel (norm folded in)
+                "attention": ("aten::_scaled_dot_product", "aten::bmm", "aten::softmax", "specd::attention"),
+                "KV cache write/read": ("aten::index_put", "aten::_index_put_impl_", "aten::index",
+                                        "specd::rope_kv_write"),  # RoPE too, in the fused call
+                "norms": ("aten::rms_norm", "aten::_fused_rms_norm", "specd::rms_norm")}
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     agg = {k: 0.0 for k in families}
     for e in prof.key_averages():

@@ -93,19 +93,23 @@ def invariance_failures(runner) -> list[str]:
     return fails
 
 
-PATHS = ["fp32", "fp32+prepacked", "bf16+prepacked", "bf16+native"]
-NEEDS = {"fp32+prepacked": "prepack-fp32", "bf16+prepacked": "prepack-bf16", "bf16+native": "int4pack"}
+PATHS = ["fp32", "fp32+prepacked", "bf16+prepacked", "bf16+native", "bf16+native/aten"]
+NEEDS = {"fp32+prepacked": "prepack-fp32", "bf16+prepacked": "prepack-bf16", "bf16+native": "block-kernel",
+         "bf16+native/aten": "int4pack"}
 
 
 @pytest.mark.parametrize("layout", PATHS)
-def test_wide_passes_compute_the_single_token_passes_bits(models, layout):
-    """Every path this machine runs is row-invariant; a path it cannot run (forced off in
-    `make test-fallbacks`) is refused by its probe, and the fp32 case checks what runs instead."""
+def test_wide_passes_compute_the_single_token_passes_bits(models, layout, cpu_paths_off):
+    """Every path this machine runs is row-invariant (native weights in the block kernel's fused
+    layers, and in ATen's int4 kernel where the block kernel is off); a path it cannot run (forced
+    off in `make test-fallbacks`) is refused by its probe, and the fp32 case checks what runs instead."""
     if layout in NEEDS and not cpu.available(NEEDS[layout]):
         assert not cpu.probe(NEEDS[layout]).ok and cpu.probe(NEEDS[layout]).reason  # the fallback run: refused
         return
-    runner = _runner(models, layout)
-    assert runner.exact
+    if layout.endswith("/aten"):
+        cpu_paths_off("block-kernel")
+    runner = _runner(models, layout.removesuffix("/aten"))
+    assert runner.exact and (runner.fused is not None) == (layout == "bf16+native")
     assert invariance_failures(runner) == []
 
 
@@ -227,14 +231,20 @@ def test_without_a_compiler_exact_passes_run_one_sdpa_call_per_query_row(smollm2
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.delenv(cpu.DISABLE_ENV, raising=False)  # the build itself fails, whatever a run forces off
     kernels.extension.cache_clear()
+    kernels.blocks_extension.cache_clear()
     cpu.reset()
     try:
-        p = cpu.probe("attn-kernel")
-        assert not p.ok and "could not be built" in p.reason
+        for path in ("attn-kernel", "block-kernel"):
+            p = cpu.probe(path)
+            assert not p.ok and "could not be built" in p.reason
         runner = with_exact(LlamaRunner(smollm2.model, num_layers=1), "require")  # whatever MKL's plans cost
         assert runner.exact and "one SDPA call per query row" in runner.exact_why, runner.exact_why
+        # native weights fall back to ATen's int4 kernel, per op
+        native_runner = with_layout(LlamaRunner(smollm2.model, num_layers=1), "native", gguf_source("smollm2"))
+        assert type(native_runner.layers[0].wqkv).__name__ == "Int4Weight" and native_runner.fused is None
     finally:
         monkeypatch.undo()
         kernels.extension.cache_clear()
+        kernels.blocks_extension.cache_clear()
         cpu.reset()
     assert cpu.probe("attn-kernel").ok == ("attn-kernel" not in cpu.forced_off())
