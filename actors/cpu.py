@@ -161,29 +161,20 @@ def _trial_prepack(dtype: torch.dtype) -> None:
 
 
 def _trial_int4pack() -> None:
-    from .native import Int4Weight
-
     x, w = _tiny()
     g = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, w.shape, generator=g)
+    q = torch.randint(0, 16, w.shape, generator=g, dtype=torch.int32)
     scale, zero = torch.rand(w.shape[0], 1, generator=g) / 8, -torch.rand(w.shape[0], 1, generator=g)
-    dense = (q - 8) * scale + zero
-    _close(Int4Weight([(q, scale, zero)])(x.bfloat16()), F.linear(x, dense), 0.1)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()  # one group of 32: K
+    got = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz)
+    _close(got, F.linear(x, (q - 8) * scale + zero), 0.1)
 
 
 def _trial_block_kernel() -> None:
-    from .kernels import blocks_extension, isa_path
-    from .native import BlockWeight, q4_1_weight
+    from .kernels import block_trial
 
-    if blocks_extension() is None:
-        raise RuntimeError("the block kernel could not be built (see the log)")
-    isa_path()  # a bad SPECD_ISA is refused here
-    x, w = _tiny()
-    g = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, w.shape, generator=g, dtype=torch.uint8)
-    d, m = torch.rand(w.shape[0], 1, generator=g) / 8, -torch.rand(w.shape[0], 1, generator=g)
-    d, m = d.half().float(), m.half().float()
-    _close(BlockWeight("Q4_1", (q, d, m), torch.float32)(x), F.linear(x, q4_1_weight(q, d, m)[0]), 0.1)
+    block_trial()
 
 
 def _trial_attn_kernel() -> None:

@@ -73,7 +73,7 @@ class BlockWeight(NativeWeight):
         self.shape, self.dtype, self.device = torch.Size((n, k)), dtype, blocks[0].device
         self.kind = kind
         self.code = 0 if kind == "Q4_1" else 1
-        self.w, self.s = pack(kind, blocks)
+        self.w, self.s = kernels.pack(kind, blocks)
 
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None, norm: torch.Tensor | None = None,
                  eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +87,8 @@ class BlockWeight(NativeWeight):
 
     def dequantize(self) -> torch.Tensor:
         """The weight this computes with, [N, K] fp32 (tests): the packed tiles unpacked."""
+        from .kernels import TILE
+
         n, k = self.shape
         tiles, nb = self.w.shape[0], k // GROUP
         s = self.s.view(torch.float16).float().view(tiles, nb, -1, TILE).permute(0, 3, 1, 2).reshape(tiles * TILE, nb, -1)
@@ -96,31 +98,6 @@ class BlockWeight(NativeWeight):
             return q4_1_weight(q, s[..., 0], s[..., 1])[0][:n]
         q = self.w.view(tiles, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k).view(torch.int8)
         return q8_0_weight(q, s[..., 0])[0][:n]
-
-
-TILE = 16  # outputs per tile of the block kernel
-
-
-def pack(kind: str, blocks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF blocks -> the block kernel's tiles (layout in `kernels/blocks.cpp`): weights uint8
-    [tiles, K/32 * 256 (Q4_1) or 512 (Q8_0)], scales fp16 bits as int16 [tiles, K/32 * 32 or 16].
-    Rows past N (the last tile's padding) are zero weights."""
-    q = blocks[0]
-    n, k = q.shape
-    tiles, nb = -(-n // TILE), k // GROUP
-    pad = tiles * TILE - n
-
-    def padded(t):
-        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-    q = padded(q)
-    scales = [padded(t.to(torch.float16)) for t in blocks[1:]]  # exact: the GGUF stores fp16
-    if kind == "Q4_1":
-        q = q.to(torch.uint8).view(tiles, TILE, nb, 2, 4, 4)  # tile, lane, block, half, quad, byte
-        w = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [tiles, nb, quad, lane, byte]
-    else:
-        w = q.view(torch.uint8).view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)
-    s = torch.stack([t.view(tiles, TILE, nb) for t in scales], 3).permute(0, 2, 3, 1)  # [tiles, nb, d|m, lane]
-    return w.reshape(tiles, -1).contiguous(), s.reshape(tiles, -1).contiguous().view(torch.int16)
 
 
 class Int4Weight(NativeWeight):

@@ -255,10 +255,14 @@ def _setup(args) -> int:
     from actors.models import ensure_embedded
 
     print(ensure_embedded())
-    # the row-invariant attention kernel, built once for this machine (actors/kernels); without a compiler
-    # exact passes run one SDPA call per query row instead, and this says why
-    p = cpu.probe("attn-kernel")
-    print(f"[specd] attention kernel: {'built' if p.ok else 'unavailable (' + p.reason + ')'}")
+    # the CPU kernels, built once for this machine (actors/kernels); without a compiler exact passes run one
+    # SDPA call per query row and native weights ATen's int4 kernel instead, and this says why
+    from actors import kernels
+
+    for path, what in (("attn-kernel", "attention kernel"), ("block-kernel", "block kernel")):
+        p = cpu.probe(path)
+        isa = f" ({kernels.ISAS[kernels.isa_path()]})" if p.ok and path == "block-kernel" else ""
+        print(f"[specd] {what}: {'built' + isa if p.ok else 'unavailable (' + p.reason + ')'}")
     return 0
 
 

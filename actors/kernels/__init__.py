@@ -36,7 +36,7 @@ log = logging.getLogger("specd")
 SOURCE = Path(__file__).with_name("attention.cpp")
 BLOCKS_SOURCE = Path(__file__).with_name("blocks.cpp")
 ISA_ENV = "SPECD_ISA"
-ISAS = ("scalar", "avx2", "avx512")  # the block kernel's paths, by rank (blocks.cpp)
+ISAS = ("scalar", "avx2", "avx512", "amx")  # the block kernel's paths, by rank (blocks.cpp)
 
 
 def _cpu_flags() -> str:
@@ -53,6 +53,9 @@ def _cpu_flags() -> str:
 _OPENMP = ["-fopenmp"] if torch.backends.openmp.is_available() else []
 
 
+_BUILD_DIRS: dict[str, Path] = {}  # extension name -> where it was built (AMX's trial marker sits there)
+
+
 def _build(name: str, source: Path, flags: list[str]):
     """`source` compiled by `torch.utils.cpp_extension` into the specd cache, keyed by the source,
     torch's version and this CPU's flags (a build for one CPU's ISA never runs on another that
@@ -63,6 +66,7 @@ def _build(name: str, source: Path, flags: list[str]):
                          + " ".join(flags).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / tag
     build.mkdir(parents=True, exist_ok=True)
+    _BUILD_DIRS[name] = build
     try:
         from torch.utils import cpp_extension
 
@@ -94,11 +98,17 @@ def blocks_extension():
     return _build("blocks", BLOCKS_SOURCE, ["-O3", "-ffp-contract=off"] + _OPENMP)
 
 
+_AMX_TRIAL_ENV = "SPECD_AMX_TRIAL"
+
+
 def isa_path() -> int:
     """The block kernel's ISA path (index into ISAS): the best this CPU runs, or lower where SPECD_ISA
-    names one (tests and users emulating an older CPU); naming one the CPU lacks is an error."""
+    names one (tests and users emulating an older CPU); naming one the CPU lacks is an error. AMX is
+    taken only after a trial in a child process has run it (`amx_runs`)."""
     ext = blocks_extension()
     best = ext.isa() if ext is not None else 0
+    if best == ISAS.index("amx") and not amx_runs():
+        best = ISAS.index("avx512")
     want = os.environ.get(ISA_ENV, "").strip().lower()
     if not want:
         return best
@@ -107,6 +117,105 @@ def isa_path() -> int:
     if ISAS.index(want) > best:
         raise ValueError(f"{ISA_ENV}={want}: this CPU runs at most {ISAS[best]}")
     return ISAS.index(want)
+
+
+TILE = 16  # outputs per tile of the block kernel
+BLOCK = 32  # inputs per GGUF block
+
+
+def pack(kind: str, blocks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks -> the block kernel's tiles (layout in `kernels/blocks.cpp`): weights uint8
+    [tiles, K/32 * 256 (Q4_1) or 512 (Q8_0)], scales fp16 bits as int16 [tiles, K/32 * 32 or 16].
+    Rows past N (the last tile's padding) are zero weights."""
+    q = blocks[0]
+    n, k = q.shape
+    tiles, nb = -(-n // TILE), k // BLOCK
+    pad = tiles * TILE - n
+
+    def padded(t):
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+    q = padded(q)
+    scales = [padded(t.to(torch.float16)) for t in blocks[1:]]  # exact: the GGUF stores fp16
+    if kind == "Q4_1":
+        q = q.to(torch.uint8).view(tiles, TILE, nb, 2, 4, 4)  # tile, lane, block, half, quad, byte
+        w = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [tiles, nb, quad, lane, byte]
+    else:
+        w = q.view(torch.uint8).view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    s = torch.stack([t.view(tiles, TILE, nb) for t in scales], 3).permute(0, 2, 3, 1)  # [tiles, nb, d|m, lane]
+    return w.reshape(tiles, -1).contiguous(), s.reshape(tiles, -1).contiguous().view(torch.int16)
+
+
+def block_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, kind: str, n: int, path: int) -> torch.Tensor:
+    """The block kernel's plain call: x [..., K] @ W^T over `pack`'s tiles."""
+    return blocks_extension().matmul(x, w, s, 0 if kind == "Q4_1" else 1, n, path, None, 0.0, None)
+
+
+def _trial_weights(g: torch.Generator, kind: str, n: int = 40, k: int = 96) -> tuple:
+    """Random GGUF blocks of `kind` (tests and trials) and the fp32 weight they hold."""
+    nb = k // BLOCK
+    d = (torch.rand(n, nb, generator=g) / 8).half().float()
+    if kind == "Q4_1":
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        m = -(torch.rand(n, nb, generator=g) / 4).half().float()
+        return (q, d, m), q.float() * d.repeat_interleave(BLOCK, -1) + m.repeat_interleave(BLOCK, -1)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return (q, d), q.float() * d.repeat_interleave(BLOCK, -1)
+
+
+def block_trial() -> None:
+    """`cpu.probe("block-kernel")`'s trial: the kernel builds, SPECD_ISA names a path it runs, and a
+    small matmul over each block kind is the fp32 one's to Q8 activation rounding."""
+    if blocks_extension() is None:
+        raise RuntimeError("the block kernel could not be built (see the log)")
+    path = isa_path()  # a bad SPECD_ISA is refused here
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=g)
+    for kind in ("Q4_1", "Q8_0"):
+        blocks, dense = _trial_weights(g, kind)
+        got, want = block_matmul(x, *pack(kind, blocks), kind, 40, path), F.linear(x, dense)
+        if not torch.allclose(got, want, atol=0.05 * want.abs().max().item()):
+            raise RuntimeError(f"{kind}: computed {got.flatten()[:3].tolist()}, expected {want.flatten()[:3].tolist()}")
+
+
+@functools.cache
+def amx_runs() -> bool:
+    """Whether the block kernel's AMX path runs here and computes the AVX-512 path's bits: tried once
+    per machine in a child process (an illegal instruction there, as llama.cpp's AMX kernels die with
+    in some KVM guests, costs the child, not this process), the answer kept beside the build."""
+    if os.environ.get(_AMX_TRIAL_ENV):  # the child itself
+        return True
+    marker = {ok: _BUILD_DIRS["blocks"] / f"amx-{'ok' if ok else 'fails'}" for ok in (True, False)}
+    for ok, path in marker.items():
+        if path.exists():
+            return ok
+    import subprocess
+    import sys
+
+    code = "from actors.kernels import amx_trial; amx_trial()"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, _AMX_TRIAL_ENV: "1"}, timeout=300,
+                           capture_output=True, text=True)
+        ok = r.returncode == 0
+        why = f"exit code {r.returncode}: {r.stderr.strip()[-300:]}"
+    except (OSError, subprocess.SubprocessError) as e:
+        ok, why = False, str(e)
+    if not ok:
+        log.warning("specd: the block kernel's AMX path failed its trial (%s); AVX-512 serves instead", why)
+    marker[ok].write_text(why if not ok else "")
+    return ok
+
+
+def amx_trial() -> None:
+    """`amx_runs`'s child: AMX against AVX-512 on both block kinds, bitwise; exits 3 where they differ."""
+    import sys
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g)
+    for kind in ("Q4_1", "Q8_0"):
+        w, s = pack(kind, _trial_weights(g, kind)[0])
+        amx = block_matmul(x, w, s, kind, 40, ISAS.index("amx"))
+        if not torch.equal(amx, block_matmul(x, w, s, kind, 40, ISAS.index("avx512"))):
+            sys.exit(3)
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,

@@ -14,8 +14,10 @@
 // number of rows or the thread count (no reduction is split across threads), and AVX-512 VNNI,
 // AVX2 and the scalar loop compute the same integers and the same fp32 sequence.
 //
-// ISA paths: AVX-512 (F/BW/VL/VNNI: vpdpbusd over 16 outputs), AVX2+FMA+F16C (vpmaddubsw over 8
-// outputs, twice per tile), and scalar C++ (any CPU; the tests' reference). Each is compiled with a
+// ISA paths: AMX (int8 tiles: one tile op per block for up to 16 rows, calls of 4 rows or more; fewer
+// take the AVX-512 path, whose bits are the same), AVX-512 (F/BW/VL/VNNI: vpdpbusd over 16 outputs),
+// AVX2+FMA+F16C (vpmaddubsw over 8 outputs, twice per tile), and scalar C++ (any CPU; the tests'
+// reference). Each is compiled with a
 // target attribute, so the library runs on any x86-64 CPU; `isa()` says what this CPU can run and
 // the caller picks at most that (SPECD_ISA forces a lower one to test it).
 //
@@ -37,6 +39,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define SPECD_X86 1
 #endif
 
@@ -45,7 +49,9 @@ namespace {
 constexpr int G = 32;      // weights per block
 constexpr int NT = 16;     // outputs per tile
 constexpr int ROWS = 32;   // rows a sweep over one tile's blocks takes
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2, AMX = 3 };
+constexpr int64_t AMX_ROWS = 16;  // rows of one AMX tile; calls of fewer than AMX_MIN rows take the AVX-512 path
+constexpr int64_t AMX_MIN = 4;
 enum Kind : int64_t { Q4_1 = 0, Q8_0 = 1 };
 
 int tile_bytes(int64_t kind) { return kind == Q4_1 ? 256 : 512; }
@@ -265,14 +271,88 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) vo
     default: break;
   }
 }
+
+// ---- AMX (int8 tiles): one tile op per block computes the block's integer dots of up to 16 rows x
+// 16 outputs (TDPBSUD: int8 activations x unsigned 4-bit weights; TDPBSSD: x int8 weights), the
+// same integers as vpdpbusd; the fp32 sequence after is the AVX-512 path's.
+struct TileConfig {
+  uint8_t palette = 1, start = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_begin() {
+  alignas(64) TileConfig c;
+  c.rows[0] = AMX_ROWS, c.colsb[0] = NT * 4;  // C: rows x 16 int32
+  c.rows[1] = AMX_ROWS, c.colsb[1] = G;       // A: rows x 32 int8 (one block of each row)
+  c.rows[2] = G / 4, c.colsb[2] = NT * 4;     // B: 8 quads x 16 outputs x 4 bytes (the packed layout)
+  asm volatile("" : : "r"(&c) : "memory");  // the stores above must reach memory: ldtilecfg reads them
+  _tile_loadconfig(&c);
+}
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_end() { _tile_release(); }
+
+// xa: the rows' blocks as [block][16 rows][32] int8 (rows past the call's zero)
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void tile_amx(
+    int64_t kind, const uint8_t* W, const uint16_t* S, const Act& a, const int8_t* xa, int64_t r0, int64_t rows,
+    float* acc) {
+  const int tb = tile_bytes(kind), ts = tile_scales(kind);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  alignas(64) uint8_t B[8 * 64];
+  alignas(64) int32_t C[AMX_ROWS * NT];
+  alignas(64) float am[AMX_ROWS * NT];
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(acc + r * NT, _mm512_setzero_ps());
+    _mm512_store_ps(am + r * NT, _mm512_setzero_ps());
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* wb = W + b * tb;
+    const uint16_t* sb = S + b * ts;
+    _tile_zero(0);
+    _tile_loadd(1, xa + b * AMX_ROWS * G, G);
+    if (kind == Q4_1) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i raw = _mm512_loadu_si512(wb + i * 64);
+        _mm512_store_si512(B + i * 64, _mm512_and_si512(raw, low));
+        _mm512_store_si512(B + (i + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+      }
+      _tile_loadd(2, B, 64);
+      _tile_dpbsud(0, 1, 2);
+    } else {
+      _tile_loadd(2, wb, 64);
+      _tile_dpbssd(0, 1, 2);
+    }
+    _tile_stored(0, C, NT * 4);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m512 m = kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + NT)))
+                                  : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i dot = _mm512_load_si512(C + r * NT);
+      const int64_t i = (r0 + r) * a.nb + b;
+      const float dx = a.d[i];
+      float* ar = acc + r * NT;
+      _mm512_storeu_ps(ar, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), _mm512_set1_ps(dx),
+                                           _mm512_loadu_ps(ar)));
+      if (kind == Q4_1)
+        _mm512_store_ps(am + r * NT, _mm512_fmadd_ps(m, _mm512_set1_ps(static_cast<float>(a.isum[i]) * dx),
+                                                     _mm512_load_ps(am + r * NT)));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_storeu_ps(acc + r * NT, _mm512_add_ps(_mm512_loadu_ps(acc + r * NT), _mm512_load_ps(am + r * NT)));
+}
 #endif
 
 int64_t isa() {
 #ifdef SPECD_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return AVX512;
+      __builtin_cpu_supports("avx512vnni")) {
+    // AMX's tile data is granted per process by the kernel (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    static const bool amx = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+                            syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx ? AMX : AVX512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return AVX2;
 #endif
   return SCALAR;
@@ -280,7 +360,7 @@ int64_t isa() {
 
 void quant_block(int64_t path, const float* x, int8_t* q, float* d, int32_t* isum) {
 #ifdef SPECD_X86
-  if (path == AVX512) return quant_block_avx512(x, q, d, isum);
+  if (path >= AVX512) return quant_block_avx512(x, q, d, isum);
   if (path == AVX2) return quant_block_avx2(x, q, d, isum);
 #endif
   quant_block_scalar(x, q, d, isum);
@@ -289,7 +369,7 @@ void quant_block(int64_t path, const float* x, int8_t* q, float* d, int32_t* isu
 void tile(int64_t path, int64_t kind, const uint8_t* W, const uint16_t* S, const Act& a, int64_t r0, int64_t rows,
           float* acc) {
 #ifdef SPECD_X86
-  if (path == AVX512) return tile_avx512(kind, W, S, a, r0, rows, acc);
+  if (path >= AVX512) return tile_avx512(kind, W, S, a, r0, rows, acc);
   if (path == AVX2) return tile_avx2(kind, W, S, a, r0, rows, acc);
 #endif
   tile_scalar(kind, W, S, a, r0, rows, acc);
@@ -372,6 +452,32 @@ torch::Tensor matmul(torch::Tensor x_in, torch::Tensor W, torch::Tensor S, int64
   const uint8_t* Wp = W.data_ptr<uint8_t>();
   const uint16_t* Sp = reinterpret_cast<const uint16_t*>(S.data_ptr<int16_t>());
   const int64_t wstride = W.size(1), sstride = S.size(1);
+#ifdef SPECD_X86
+  if (path == AMX && M >= AMX_MIN) {
+    // the rows' blocks as AMX A tiles: [row group][block][16 rows][32], rows past M zero
+    const int64_t groups = (M + AMX_ROWS - 1) / AMX_ROWS;
+    thread_local std::vector<int8_t> xa;
+    xa.assign(groups * nb * AMX_ROWS * G, 0);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b)
+        std::memcpy(xa.data() + ((r / AMX_ROWS * nb + b) * AMX_ROWS + r % AMX_ROWS) * G, a.q + r * K + b * G, G);
+    const int8_t* xp = xa.data();
+    at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+      amx_begin();
+      alignas(64) float acc[AMX_ROWS * NT];
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t cols = std::min<int64_t>(NT, n - t * NT);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r0 = g * AMX_ROWS, rows = std::min<int64_t>(AMX_ROWS, M - r0);
+          tile_amx(kind, Wp + t * wstride, Sp + t * sstride, a, xp + g * nb * AMX_ROWS * G, r0, rows, acc);
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(yp + (r0 + r) * n + t * NT, acc + r * NT, cols * sizeof(float));
+        }
+      }
+      amx_end();
+    });
+  } else
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float acc[ROWS * NT];
     for (int64_t t = lo; t < hi; ++t) {
@@ -412,5 +518,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("W"), py::arg("S"), py::arg("kind"), py::arg("n"), py::arg("path"), py::arg("norm") = py::none(),
         py::arg("eps") = 0.0, py::arg("residual") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, in one order at every width");
-  m.def("isa", &isa, "the best ISA path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI");
+  m.def("isa", &isa, "the best ISA path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (int8 tiles)");
 }

@@ -12,6 +12,7 @@ one decode step, and how close a target pass comes to the memory-bandwidth floor
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -22,7 +23,7 @@ from actors.text import encode_prompt
 
 from ..data import load_prompts, mixed
 from ..stats import percentile
-from .peer import make_peer
+from .peer import PeerFailed, make_peer
 
 
 def hf_truncated(model, k: int):
@@ -199,21 +200,36 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
     reference: dict[int, list[int]] = {}  # prompt index -> HF greedy output at batch 1
     plain: dict[int, list[int]] = {}  # prompt index -> this engine's output without speculation, batch 1
     # Warm up each path once (first-call allocations), untimed.
-    for bs, name, kind, spec in configs:
+    peer_failed = None  # why the peer's process failed, if it did: the bench goes on without it
+
+    def drop_peer(e: PeerFailed) -> None:
+        nonlocal peer_failed
+        peer_failed = str(e)
+        configs[:] = [c for c in configs if c[2] != "peer"]
+        print(f"specd bench: {e}; going on without the peer", file=sys.stderr)
+
+    for bs, name, kind, spec in list(configs):
         if bs == 1:
-            _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants, tree_depth, other)
+            try:
+                _run_one(eng, hf, tok, kind, spec, [ids[0]], 8, eos, gamma, assistants, tree_depth, other)
+            except PeerFailed as e:
+                drop_peer(e)
     work = [(rnd, bs, list(range(i, min(i + bs, len(ids))))) for rnd in range(rounds) for bs in batch_sizes
             for i in range(0, len(ids), bs)]
     bar = tqdm(total=sum(len(idx) * sum(1 for c in configs if c[0] == bs) for _, bs, idx in work),
                desc="bench", unit="req", disable=not progress)
     for rnd, bs, idx in work:
-        for cbs, name, kind, spec in configs:
+        for cbs, name, kind, spec in list(configs):
             if cbs != bs:
                 continue
             batch = [ids[i] for i in idx]
             t0 = time.perf_counter()
-            outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants, tree_depth,
-                                   other)
+            try:
+                outs, stats = _run_one(eng, hf, tok, kind, spec, batch, max_tokens, eos, gamma, assistants,
+                                       tree_depth, other)
+            except PeerFailed as e:
+                drop_peer(e)
+                continue
             dt = time.perf_counter() - t0
             r = rows[(bs, name)]
             r["seconds"] += dt
@@ -241,6 +257,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
                     r["exact"][1] += 1
             bar.update(len(idx))
     bar.close()
+    if other is not None:
+        other.close()
 
     results = []
     for (bs, name), r in rows.items():
@@ -273,7 +291,8 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
               "exact": eng.info.get("exact"),
               "hardware": eng.info.get("hardware"), "gamma": gamma, "max_tokens": max_tokens,
               "prompts": len(ids), "rounds": rounds, "threads": torch.get_num_threads(), "results": results,
-              "peer": None if other is None else {"name": other.name, "version": other.version},
+              "peer": None if other is None else {"name": other.name, "version": other.version,
+                                                  "failed": peer_failed},
               "verify_cost": verify_costs(eng.target), "decode_step_profile": prof,
               "bandwidth": bandwidth_floor(eng.target)}
     report["bandwidth"]["engine_step_ms"] = report["verify_cost"]["ms"][1]
@@ -376,6 +395,8 @@ def render(report: dict) -> str:
     if peer:
         con.print(f"× {peer['name']}: against {peer['name']} ({peer['version']}) at batch 1 on the same GGUF and "
                   "prompt tokens, interleaved")
+        if peer.get("failed"):
+            con.print(f"{peer['name']} FAILED and was left out: {peer['failed']}")
     vc = report["verify_cost"]
     con.print("verify pass over T tokens vs 1 token (context %d): " % vc["context"]
               + ", ".join(f"T={k}: {v:.2f}× ({vc['ms'][k]:.1f} ms)" for k, v in vc["ratio_vs_1"].items()))

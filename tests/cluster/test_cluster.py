@@ -207,7 +207,7 @@ def test_stats_carry_the_cpu_paths_and_the_layout_each_verifier_chose(cluster):
     weight layout it chose with its dtype (fp32 here: prepacked only where that layout runs), and
     whether its passes are exact (the default: yes, naming the attention path and the row plans)."""
     v = next(r for r in cluster.stats().replicas if r.role == "verifier")
-    assert set(v.cpu_paths) == {"bf16", "prepack-bf16", "prepack-fp32", "int4pack", "attn-kernel"}
+    assert set(v.cpu_paths) == {"bf16", "prepack-bf16", "prepack-fp32", "int4pack", "block-kernel", "attn-kernel"}
     assert v.exact and v.exact_reason.startswith("exact (auto)") and "linears" in v.exact_reason
     assert v.dtype == "fp32" and v.dtype_reason.startswith("fp32+prepacked" if v.prepacked else "fp32")
     assert v.prepacked <= (v.cpu_paths["prepack-fp32"] == "ok")

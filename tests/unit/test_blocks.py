@@ -1,7 +1,7 @@
 """The block kernel (`actors/kernels/blocks.cpp`, `native.BlockWeight`): GGUF Q4_1 / Q8_0 blocks
 times Q8-quantized activations, the same kernel at every width.
 
-At every ISA path this CPU runs (forced through SPECD_ISA: scalar, AVX2, AVX-512 VNNI), odd shapes
+At every ISA path this CPU runs (scalar, AVX2, AVX-512 VNNI, AMX; each forced as SPECD_ISA would), odd shapes
 (outputs not a multiple of the 16-wide tile, an odd number of 32-input blocks, rows across the
 kernel's 4-row groups and 32-row sweeps): every path gives the same bits, every row the bits it gets
 alone (and at one thread or two), all within the activation rounding of the fp32 reference. The
@@ -138,3 +138,20 @@ def test_the_fused_native_runner_computes_the_model(smollm2):
                      fused.logits(fused.forward(cache, [0], ids[:, 5:]))[0]]).float()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
+def test_amx_is_taken_only_after_its_trial_in_a_child_process(monkeypatch, tmp_path):
+    """A machine whose AMX trial failed (the child died or disagreed: its marker says so) runs the
+    AVX-512 path; where the CPU has AMX, the real trial (a child process) passed."""
+    if kernels.blocks_extension().isa() < kernels.ISAS.index("amx"):
+        assert kernels.isa_path() <= kernels.ISAS.index("avx512")
+        return
+    assert kernels.amx_runs() and kernels.isa_path() == kernels.ISAS.index("amx")
+    monkeypatch.setitem(kernels._BUILD_DIRS, "blocks", tmp_path)
+    (tmp_path / "amx-fails").write_text("exit code -4: Illegal instruction")
+    kernels.amx_runs.cache_clear()
+    try:
+        assert kernels.isa_path() == kernels.ISAS.index("avx512")
+    finally:
+        monkeypatch.undo()
+        kernels.amx_runs.cache_clear()
