@@ -146,7 +146,9 @@ def calibrated(runner, model_name: str, max_batch: int, device="cpu", reps: int 
     if getattr(runner, "prepacked", False):
         key["prepacked"] = True
     if getattr(runner, "native", False):
-        key["native"] = True
+        from .native import kernel_label
+
+        key["native"] = kernel_label(runner)  # the block kernel's ISA path and build, or ATen's int4
     if getattr(runner, "exact", False):
         key["exact"] = True  # row-invariant kernels (actors/kernels): another cost
     if runner.dtype != torch.float32 and not cpu.onednn_bf16():

@@ -265,6 +265,17 @@ def apply(runner, gguf_path: Path):
     return runner
 
 
+def kernel_label(runner) -> str:
+    """Which kernel runs a native runner's weights (calibration keys: each has its own costs): the block
+    kernel's ISA path and build, or ATen's int4."""
+    w = runner.lm_head
+    if isinstance(w, BlockWeight):
+        from . import kernels
+
+        return f"blocks:{kernels.ISAS[w.path]}:{kernels.build_tag('blocks')}"
+    return "aten-int4"
+
+
 def runs_here() -> bool:
     """Whether native weights run on this CPU: in the block kernel, or else in ATen's int4 kernel."""
     from . import cpu

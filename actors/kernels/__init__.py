@@ -56,6 +56,11 @@ _OPENMP = ["-fopenmp"] if torch.backends.openmp.is_available() else []
 _BUILD_DIRS: dict[str, Path] = {}  # extension name -> where it was built (AMX's trial marker sits there)
 
 
+def build_tag(name: str) -> str:
+    """The build key of extension `name` (its source, torch and the CPU's flags), once it was built."""
+    return _BUILD_DIRS[name].name if name in _BUILD_DIRS else ""
+
+
 def _build(name: str, source: Path, flags: list[str]):
     """`source` compiled by `torch.utils.cpp_extension` into the specd cache, keyed by the source,
     torch's version and this CPU's flags (a build for one CPU's ISA never runs on another that
