@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.specd-installed
 # the torch pin (constraints.txt), read by every pip install here
 PIN     := -c constraints.txt
 
-.PHONY: setup demo demo-local test test-fallbacks bench bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test test-fallbacks bench bench-peer llama-cpp bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,21 @@ test-fallbacks: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/specd bench --local --json out/bench.json --plot out/bench.png
+
+# llama.cpp (llama-cpp-python) built for this CPU's SIMD paths with its AMX kernels off (specd/bench/peer.py:
+# the native build dies with SIGILL in a KVM guest of an AMX Xeon); compiles for minutes on 2 cores
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="$$($(BIN)/python -m specd.bench.peer --cmake-args)" $(BIN)/python -m pip install -q $(PIN) \
+		'llama-cpp-python>=0.3' diskcache
+	@$(BIN)/python -c "import llama_cpp; print('[specd] llama.cpp', llama_cpp.__version__)"
+
+# the engine against llama.cpp on the same GGUF, batch 1 and 8, every CPU figure of the block kernel; then the
+# same with the block kernel's AVX2 path (SPECD_ISA=avx2: emulated on a newer CPU)
+bench-peer: llama-cpp
+	$(BIN)/specd bench --local --peer llama-cpp --no-hf --rounds 3 --limit 8 --batch-sizes 1,8 --tree-budgets "" \
+		--json out/bench_peer.json --plot out/bench_peer.png
+	SPECD_ISA=avx2 $(BIN)/specd bench --local --peer llama-cpp --no-hf --rounds 3 --limit 8 --batch-sizes 1,8 \
+		--tree-budgets "" --json out/bench_peer_avx2.json --plot out/bench_peer_avx2.png
 
 # starts a local cluster, benchmarks it through the SDK against the in-process engine and HF, stops it
 bench-cluster: $(STAMP)

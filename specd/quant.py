@@ -87,7 +87,7 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
     from tqdm.auto import tqdm
 
     from actors import cpu, native
-    from actors.build import draft_mode, make_drafter, ready_drafter, with_prepack
+    from actors.build import draft_mode, make_drafter, ready_drafter, with_exact, with_prepack
     from actors.engine import SpecEngine
     from actors.llama import PACKABLE, LlamaRunner
     from actors.models import gguf_source, load_model
@@ -120,6 +120,9 @@ def study(model: str = "smollm2", dtype: str = "bf16", draft: str = "default", q
         if "bf16" not in models:
             models["bf16"] = load_model(model, "bf16").model
         formats["bf16+native"] = native.apply(LlamaRunner(models["bf16"]), gguf)
+    # passes as the engine runs them: row-invariant where that is cheap (`build.with_exact`), so that a draft never
+    # changes a target's output and "identical" compares weight formats alone
+    formats = {name: with_exact(r) for name, r in formats.items()}
     formats.update({f"{dtype}+{m}": with_prepack(quantize_runner(LlamaRunner(target.model), m)) for m in modes})
 
     # 1. kernels: every format's pass-cost grid, the formats interleaved rep by rep
