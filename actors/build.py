@@ -316,8 +316,8 @@ def with_prepack(runner: LlamaRunner, prepack: str = "auto") -> LlamaRunner:
 
 
 def with_layout(runner: LlamaRunner, layout: str, gguf: Path | None = None) -> LlamaRunner:
-    """`runner` in a layout `load_target` chose: "native" (the GGUF's own 4-bit blocks in ATen's
-    int4 layout, `native.apply`; `gguf` is the file), else the prepack setting (`with_prepack`)."""
+    """`runner` in a layout `load_target` chose: "native" (the GGUF's own blocks, `native.apply`;
+    `gguf` is the file), else the prepack setting (`with_prepack`)."""
     if layout == "native":
         return native.apply(runner, gguf)
     return with_prepack(runner, layout)

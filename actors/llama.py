@@ -348,7 +348,7 @@ class LlamaRunner:
         taps = {}
         attn_kernel = self.exact and cpu.available("attn-kernel")
         fused = self.fused
-        # a layer in three block-kernel calls and one attention call (`fuse_blocks`), the residual stream in fp32
+        # a layer in four block-kernel calls and one attention call (`fuse_blocks`), the residual stream in fp32
         one_call = fused and attn_kernel and cache.k.dtype == torch.float32
         if fused:
             x = x.float()

@@ -1,27 +1,28 @@
-"""GGUF-born weights kept in their own 4-bit blocks, run by ATen's CPU int4 kernels.
+"""GGUF-born weights kept in their own 4-/8-bit blocks, run by the block kernel (or ATen's int4 kernel).
 
 The embedded SmolLM2 ships as a GGUF: its projections are Q4_1 blocks (32 weights: an fp16 scale d,
 an fp16 minimum m, 4-bit q; w = d·q + m), its tied embedding / LM head Q8_0 (32 int8 q with an fp16
-scale d; w = d·q). Dequantised to bf16 or fp32 they read 4-8x more bytes per token than the blocks
-do. ATen's CPU int4 layout (`torch._convert_weight_to_int4pack_for_cpu` and
-`torch._weight_int4pack_mm_for_cpu`, what torchao's CPU int4 layout is built on) is the same
-asymmetric group quantization: per group of 32 along the input dim, w = (q - 8)·scale + zero. So
-  Q4_1  -> one int4 matrix: q as is, scale = d, zero = m + 8d;
-  Q8_0  -> two int4 matrices over the same activations (ATen has no per-block int8 CPU matmul:
-           `_weight_int8pack_mm` takes one scale per row): q = 16·hi + lo with hi = q >> 4 in
-           [-8, 7] and lo = q & 15, the first with scale 16d and zero 0, the second scale d,
-           zero 8d; their sum is d·q.
-ATen's kernel is fast only with bf16 activations (fp32 activations take a reference loop ~30x
-slower, measured), and then its scales and zeros are bf16 too. So a native weight is the GGUF's
-blocks with each scale (and zero) rounded to bf16: per group of 32, one relative rounding of at
-most 2^-9 shared by the group, where a bf16 dense copy rounds each weight by up to 2^-9 on its
-own. Neither is the fp32 dequantisation: `specd quant`'s agreement and NLL measure how far.
+scale d; w = d·q). Dequantised to bf16 or fp32 they read 3-8x more bytes per token than the blocks
+do. Two kernels run them:
+  the block kernel (`BlockWeight`, `kernels/blocks.cpp`): the blocks exactly as stored, repacked into
+      tiles of 16 outputs; activations quantized per row to Q8 blocks (int8 and one fp32 scale per
+      32, as llama.cpp's dot products do); flat in the number of rows, row-invariant by construction
+      and the same bits on every ISA path. A runner whose layers are all plain Llama layers over it
+      runs each layer in five fused calls (`LlamaRunner.fuse_blocks`).
+  ATen's int4 kernel (`Int4Weight`), where the block kernel cannot build: ATen's CPU int4 layout
+      (`torch._convert_weight_to_int4pack_for_cpu`, `torch._weight_int4pack_mm_for_cpu`, what torchao's
+      CPU int4 layout is built on) is the same asymmetric group quantization, per group of 32,
+      w = (q - 8)·scale + zero; so Q4_1 is one int4 matrix (scale d, zero m + 8d) and Q8_0 two over
+      the same activations (q = 16·hi + lo with hi = q >> 4 in [-8, 7] and lo = q & 15: scales 16d and
+      d, zeros 0 and 8d). It is fast only with bf16 activations, and then its scales and zeros are
+      bf16 too: each group's scale rounded once by at most 2^-9.
+Neither is the fp32 dequantisation: `specd quant`'s agreement and NLL measure how far.
 
 The blocks are read from the GGUF with the `gguf` package (what transformers reads GGUF with),
 rows permuted as transformers permutes Llama's q/k projections, and every matrix is checked at
 load against the weights of the model the runner was built over: the blocks must dequantise to
 them exactly (in fp32; rounded to its dtype where that is bf16), so a native runner provably
-holds the model's own weights. Int4 matrices are shared by every runner built over the same model
+holds the model's own weights. Native matrices are shared by every runner built over the same model
 weights in the process (a truncated self-draft shares the target's): built once, while any holds them.
 
 Does not know: requests, sampling, or which format is faster (build.py measures that at load).
@@ -241,8 +242,9 @@ def _native(blocks: GGUFBlocks, names: list[str], rows: list[torch.Tensor | None
 
 def apply(runner, gguf_path: Path):
     """Give a Llama `LlamaRunner` built over the model dequantised from `gguf_path` native weights
-    in place: its four projections per layer and its LM head become `Int4Weight`s (bf16
-    activations; a runner in bf16 runs without a cast). Returns the runner, `.native` set."""
+    in place: its four projections per layer and its LM head become native weights (`BlockWeight`s
+    where the block kernel runs, its layers then fused; else `Int4Weight`s, bf16 activations).
+    Returns the runner, `.native` set."""
     if runner.device.type != "cpu":
         raise ValueError("native weights run on a CPU (the block kernel or ATen's int4 kernel)")
     blocks = _blocks(str(gguf_path))

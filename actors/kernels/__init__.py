@@ -2,13 +2,18 @@
 identical"): the single-token pass and every wider pass (a chain of drafts, a token tree, a batch,
 a prefill chunk) compute a row's logits and the KV it writes with the same bits.
 
-Owns two things:
+Owns three things:
   attention   over the runner's slotted KV cache: a C++ kernel (`attention.cpp`, built once per
               machine with `torch.utils.cpp_extension` into the specd cache) that reduces each query
-              row over its visible keys in one fixed order; where it cannot run (no compiler,
+              row over its visible keys in one fixed order (`attention_rope`: with RoPE and the KV
+              write of a fused qkv in the same call); where it cannot run (no compiler,
               `SPECD_DISABLE=attn-kernel`, a GPU's cache), `attention_per_row`: one SDPA call per query row
               over exactly its visible keys, gathered, which is row-invariant by construction (the
               same call, on the same inputs, for every width) but slow for wide passes.
+  the block   matmul of GGUF Q4_1 / Q8_0 blocks (`blocks.cpp`, `pack`, `native.BlockWeight`): Q8
+  kernel      activations, the same kernel at every width, each row's reduction in one order on every
+              ISA path (`isa_path`: AMX after `amx_runs`' trial, AVX-512 VNNI, AVX2, scalar; SPECD_ISA
+              forces a lower one); built for the baseline ISA with each path behind a target attribute.
   row plans   for matmuls (`probe_plan`, `RowPlan`): a linear kernel whose rows depend on how many
               rows a call has (MKL's fp32 GEMV against its GEMM; oneDNN's bf16 past 32 rows on an AMX
               Xeon) is probed once per kind of weight at load, on a loaded weight, and then called over
