@@ -347,48 +347,43 @@ class LlamaRunner:
             x = x * self.embed_scale
         taps = {}
         attn_kernel = self.exact and cpu.available("attn-kernel")
-        fused = self.fused
-        # a layer in four block-kernel calls and one attention call (`fuse_blocks`), the residual stream in fp32
-        one_call = fused and attn_kernel and cache.k.dtype == torch.float32
+        fused = self.fused  # the block kernel's fused calls (`fuse_blocks`): the residual stream in fp32
         if fused:
             x = x.float()
-            if one_call:
-                rot = [(c[:, :, 0].float().contiguous(), s[:, :, 0].float().contiguous()) for c, s in ropes]
-        for li, w in enumerate(self.layers):
+        stacked = fused and attn_kernel and cache.k.dtype == torch.float32  # every layer in one call
+        if stacked:
+            cos, sin = (t[:, :, 0].float().contiguous() for t in ropes[0])
+            taps = self._run_layers(x, cos, sin, cache, slot_idx[:, 0], positions, masks[None], end, features)
+            x = taps.pop("out")
+        for li, w in enumerate([] if stacked else self.layers):
             cos, sin = ropes[w.rope]
             mask, lo = masks[w.window]
             kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
             if fused:  # RMSNorm + qkv in one call
-                qkv = w.wqkv(x, norm=fused[li][0], eps=self.eps)
-                if one_call:  # RoPE, the KV write and attention in one call
-                    a = kernels.attention_rope(qkv, *rot[w.rope], kc, vc, slot_idx[:, 0], positions,
-                                               None if mask is None else mask[:, 0], lo, end, H, self.scaling)
-                else:
-                    qk, v = qkv.view(B, T, H + 2 * Hkv, -1).split([H + Hkv, Hkv], 2)
-                    q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)
+                qk, v = w.wqkv(x, norm=fused[li][0], eps=self.eps).view(B, T, H + 2 * Hkv, -1).split([H + Hkv, Hkv], 2)
+                q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)
             else:
                 q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm,
                                          w.hidden_norm)  # [B, T, *, D]
             if w.hidden_norm is not None:
                 x = x[..., x.shape[-1] // 2:]
-            if not one_call:
-                kc[slot_idx, positions] = k.to(kc.dtype)
-                vc[slot_idx, positions] = v.to(vc.dtype)
-                if self.exact:  # [B, T, H * D]: each query row in one order at every width
-                    a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
-                                          self.scaling, self.attn_softcap, attn_kernel)
+            kc[slot_idx, positions] = k.to(kc.dtype)
+            vc[slot_idx, positions] = v.to(vc.dtype)
+            if self.exact:  # [B, T, H * D]: each query row in one order at every width
+                a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
+                                      self.scaling, self.attn_softcap, attn_kernel)
+            else:
+                keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
+                vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
+                q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
+                if self.attn_softcap is None:
+                    a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                                                       scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
                 else:
-                    keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
-                    vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
-                    q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
-                    if self.attn_softcap is None:
-                        a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
-                                                           scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
-                    else:
-                        a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
-                                                  self.attn_softcap)
-                    a = a.transpose(1, 2).reshape(B, T, -1)
-            if fused:  # output projection + residual, RMSNorm + gate/up, down + residual: three calls
+                    a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
+                                              self.attn_softcap)
+                a = a.transpose(1, 2).reshape(B, T, -1)
+            if fused:  # output projection + residual, RMSNorm + gate/up, down + residual
                 x = w.wo(a, residual=x)
                 gate, up = w.w_gate_up(x, norm=fused[li][1], eps=self.eps).chunk(2, dim=-1)
                 x = w.w_down(F.silu(gate) * up, residual=x)
@@ -500,20 +495,40 @@ class LlamaRunner:
             return linear(x, w, b)
         return kernels.apply_plan(lambda c: linear(c, w, b), x, plan)
 
+    def _run_layers(self, x, cos, sin, cache, slots, positions, mask_lo, end, features) -> dict:
+        """Every layer in one call of the block kernel (`fuse_blocks`), attention by the attention kernel's
+        `attend_rope` (RoPE at cos, sin [B, T, R] fp32, the KV write, attention) from inside it: {"out": the
+        last layer's output (fp32), layer index: its output (the runner's dtype) for each layer in `features`}."""
+        w, codes, ns, norms, path = self._stack
+        mask, lo = mask_lo
+        taps = [i for i in features if i >= 0]
+        outs = kernels.blocks_extension().run_layers(
+            x, w, codes, ns, norms, path, self.eps, cos, sin, cache.k, cache.v, slots, positions,
+            torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].contiguous(), lo, end, self.n_heads,
+            self.scaling, kernels.attend_rope_address(), taps)
+        return {"out": outs[0], **{i: t.to(self.dtype) for i, t in zip(taps, outs[1:])}}
+
     def fuse_blocks(self) -> "LlamaRunner":
-        """Run each decoder layer in the block kernel's fused calls (`native.BlockWeight`: RMSNorm
+        """Run the decoder layers in the block kernel's fused calls (`native.BlockWeight`: RMSNorm
         folded into the quantization of the next matmul's input, residual adds into the matmul's
-        output; the residual stream in fp32) where every projection is a BlockWeight and the layer
-        has nothing else (no biases, q/k norms, sandwich norms, EAGLE-3 input norm; SiLU; Llama's
-        RMSNorm). Otherwise the per-op path stays."""
+        output; the residual stream in fp32) where every projection is a BlockWeight and the layers
+        have nothing else (no biases, q/k norms, sandwich norms, EAGLE-3 input norm, sliding windows;
+        one rotary; SiLU; Llama's RMSNorm). With the attention kernel (exact passes, an fp32 cache) the
+        whole stack is one call (`_run_layers`); without it, four block-kernel calls per layer around
+        the per-op attention. Otherwise the per-op path stays."""
         from .native import BlockWeight
 
         plain = all(isinstance(getattr(w, name), BlockWeight) for w in self.layers
                     for name in ("wqkv", "wo", "w_gate_up", "w_down")) and all(
             w.attn_norm is not None and w.bqkv is None and w.bo is None and w.q_norm is None
             and w.hidden_norm is None and w.post_attn_norm is None for w in self.layers)
-        if plain and self.act is F.silu and self.rms is _rms_norm and self.attn_softcap is None:
+        if plain and self.act is F.silu and self.rms is _rms_norm and self.attn_softcap is None \
+                and not self.windows and len(self.ropes) == 1:
             self.fused = [(w.attn_norm.float(), w.mlp_norm.float()) for w in self.layers]
+            projs = [getattr(w, name) for w in self.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+            # the whole stack in one call of the block kernel (`_run_layers`): its weights as flat lists, once
+            self._stack = ([t for p in projs for t in (p.w, p.s)], [p.code for p in projs], [p.shape[0] for p in projs],
+                           [t for pair in self.fused for t in pair], projs[0].path)
         return self
 
     def weights(self) -> list[tuple]:

@@ -5,8 +5,8 @@ a prefill chunk) compute a row's logits and the KV it writes with the same bits.
 Owns three things:
   attention   over the runner's slotted KV cache: a C++ kernel (`attention.cpp`, built once per
               machine with `torch.utils.cpp_extension` into the specd cache) that reduces each query
-              row over its visible keys in one fixed order (`attention_rope`: with RoPE and the KV
-              write of a fused qkv in the same call); where it cannot run (no compiler,
+              row over its visible keys in one fixed order (its `attend_rope`: with RoPE and the KV
+              write of a fused qkv in the same call, what the block kernel's layer loop calls); where it cannot run (no compiler,
               `SPECD_DISABLE=attn-kernel`, a GPU's cache), `attention_per_row`: one SDPA call per query row
               over exactly its visible keys, gathered, which is row-invariant by construction (the
               same call, on the same inputs, for every width) but slow for wide passes.
@@ -241,15 +241,10 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.
     return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap)
 
 
-def attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                   slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, lo: int, end: int,
-                   heads: int, scale: float, softcap: float | None = None) -> torch.Tensor:
-    """`attention` from a fused qkv projection [B, T, (H + 2 Hkv) * D] fp32, in one kernel call: the
-    query and key heads rotated (cos, sin fp32 [B, T, R] at each token's RoPE position), the keys and
-    values written at `positions` [B, T] of each row's slot, then attention. The caller checked that
-    the kernel runs (`cpu.available("attn-kernel")`) and that the cache is fp32 on the CPU."""
-    m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
-    return extension().attend_rope(qkv, cos, sin, kc, vc, slots, positions, m, lo, end, heads, scale, softcap or 0.0)
+@functools.cache
+def attend_rope_address() -> int:
+    """Where the attention kernel's `attend_rope` lives, for the block kernel's layer loop to call it."""
+    return extension().attend_rope_address()
 
 
 def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None) -> torch.Tensor:

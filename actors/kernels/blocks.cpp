@@ -551,6 +551,47 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
 }
 
+using AttendRope = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor,
+                                     torch::Tensor, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                     int64_t, int64_t, int64_t, double, double);
+
+// A stack of plain Llama layers over block tiles in one call (LlamaRunner.forward's fused path): per layer
+// RMSNorm + qkv, then RoPE + the KV write + attention (attention.cpp's attend_rope, by its address), the
+// output projection + residual, RMSNorm + gate/up, SiLU(gate) * up, down + residual. x [B, T, E] fp32;
+// w: per layer the (tiles, scales) of qkv, o, gate/up, down; kinds, ns: per layer their kind and outputs;
+// norms: per layer the attention and MLP norm weights (fp32); kc, vc [L, S, len, Hkv, D]. Returns the last
+// layer's output, then the outputs of the layers in `taps`, in that order.
+std::vector<torch::Tensor> run_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                                      const std::vector<int64_t>& kinds, const std::vector<int64_t>& ns,
+                                      const std::vector<torch::Tensor>& norms, int64_t path, double eps,
+                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kc,
+                                      const torch::Tensor& vc, const torch::Tensor& slots,
+                                      const torch::Tensor& positions, const torch::Tensor& mask, int64_t lo,
+                                      int64_t end, int64_t H, double scale, int64_t attend_address,
+                                      const std::vector<int64_t>& taps) {
+  const int64_t L = static_cast<int64_t>(norms.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == 8 * L && static_cast<int64_t>(kinds.size()) == 4 * L &&
+              static_cast<int64_t>(ns.size()) == 4 * L && kc.size(0) >= L, "run_layers: inconsistent layer lists");
+  const auto attend = reinterpret_cast<AttendRope>(attend_address);
+  std::vector<torch::Tensor> out(1);
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* lw = w.data() + 8 * l;
+    const int64_t* k = kinds.data() + 4 * l;
+    const int64_t* n = ns.data() + 4 * l;
+    const auto qkv = matmul(x, lw[0], lw[1], k[0], n[0], path, norms[2 * l], eps, c10::nullopt);
+    const auto a = attend(qkv, cos, sin, kc.select(0, l), vc.select(0, l), slots, positions, mask, lo, end, H,
+                          scale, 0.0);
+    x = matmul(a, lw[2], lw[3], k[1], n[1], path, c10::nullopt, 0.0, x);
+    const auto gu = matmul(x, lw[4], lw[5], k[2], n[2], path, norms[2 * l + 1], eps, c10::nullopt);
+    const int64_t I = n[2] / 2;
+    x = matmul(at::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I), lw[6], lw[7], k[3], n[3], path, c10::nullopt,
+               0.0, x);
+    if (std::find(taps.begin(), taps.end(), l) != taps.end()) out.push_back(x);
+  }
+  out[0] = x;
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -558,5 +599,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("W"), py::arg("S"), py::arg("kind"), py::arg("n"), py::arg("path"), py::arg("norm") = py::none(),
         py::arg("eps") = 0.0, py::arg("residual") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, in one order at every width");
+  m.def("run_layers", &run_layers, "a stack of plain Llama layers over block tiles in one call");
   m.def("isa", &isa, "the best ISA path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (int8 tiles)");
 }
