@@ -350,7 +350,8 @@ class LlamaRunner:
         fused = self.fused  # the block kernel's fused calls (`fuse_blocks`): the residual stream in fp32
         if fused:
             x = x.float()
-        stacked = fused and attn_kernel and cache.k.dtype == torch.float32  # every layer in one call
+        # every layer in one call, exact or not (the attention kernel is the faster path there too)
+        stacked = fused and cpu.available("attn-kernel") and cache.k.dtype == torch.float32
         if stacked:
             cos, sin = (t[:, :, 0].float().contiguous() for t in ropes[0])
             taps = self._run_layers(x, cos, sin, cache, slot_idx[:, 0], positions, masks[None], end, features)
@@ -513,9 +514,9 @@ class LlamaRunner:
         folded into the quantization of the next matmul's input, residual adds into the matmul's
         output; the residual stream in fp32) where every projection is a BlockWeight and the layers
         have nothing else (no biases, q/k norms, sandwich norms, EAGLE-3 input norm, sliding windows;
-        one rotary; SiLU; Llama's RMSNorm). With the attention kernel (exact passes, an fp32 cache) the
-        whole stack is one call (`_run_layers`); without it, four block-kernel calls per layer around
-        the per-op attention. Otherwise the per-op path stays."""
+        one rotary; SiLU; Llama's RMSNorm). With the attention kernel and an fp32 cache the whole stack
+        is one call (`_run_layers`, row-invariant whatever `exact` says); without them, four block-kernel
+        calls per layer around the per-op attention. Otherwise the per-op path stays."""
         from .native import BlockWeight
 
         plain = all(isinstance(getattr(w, name), BlockWeight) for w in self.layers
