@@ -161,13 +161,22 @@ def _expand(g: torch.Tensor) -> torch.Tensor:
 
 def q4_1_weight(q, d, m) -> tuple[torch.Tensor, tuple]:
     """(the fp32 weight the blocks hold, the int4 part computing it)."""
-    return (q.float() * _expand(d) + _expand(m)), (q, d, m + 8 * d)
+    return (q.float() * _expand(d) + _expand(m)), int4_parts("Q4_1", (q, d, m))[0]
 
 
 def q8_0_weight(q, d) -> tuple[torch.Tensor, list[tuple]]:
     """(the fp32 weight, the two int4 parts whose sum computes it)."""
+    return q.float() * _expand(d), int4_parts("Q8_0", (q, d))
+
+
+def int4_parts(kind: str, blocks: tuple) -> list[tuple]:
+    """ATen's int4 (q, scale, zero) parts whose sum computes the blocks: Q4_1 one, Q8_0 two."""
+    if kind == "Q4_1":
+        q, d, m = blocks
+        return [(q, d, m + 8 * d)]
+    q, d = blocks
     hi, lo = q.to(torch.int16) >> 4, q.to(torch.int16) & 0xF
-    return q.float() * _expand(d), [(hi + 8, 16 * d, torch.zeros_like(d)), (lo, d, 8 * d)]
+    return [(hi + 8, 16 * d, torch.zeros_like(d)), (lo, d, 8 * d)]
 
 
 def _llama_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -214,28 +223,26 @@ def _native(blocks: GGUFBlocks, names: list[str], rows: list[torch.Tensor | None
            kernel and kernels.isa_path())  # checked against these weights, built for this path
     if key in _BUILT:
         return _BUILT[key]
-    dense, raw, parts, kinds = [], [], [], set()
+    dense, raw, kinds = [], [], []
     for name, perm in zip(names, rows):
         kind, b = blocks.matrix(name)
         if perm is not None:
             b = tuple(t[perm] for t in b)
-        w, p = q4_1_weight(*b) if kind == "Q4_1" else q8_0_weight(*b)
-        dense.append(w)
+        dense.append(q4_1_weight(*b)[0] if kind == "Q4_1" else q8_0_weight(*b)[0])
         raw.append(b)
-        parts.append([p] if kind == "Q4_1" else p)
-        kinds.add(kind)
-    if len(kinds) != 1:
+        kinds.append(kind)
+    if len(set(kinds)) != 1:
         raise ValueError(f"{names}: mixed block types cannot be fused")
     got = torch.cat(dense).to(expect.dtype)
     if got.shape != expect.shape or not torch.equal(got, expect):
         diff = "shape " + str(tuple(got.shape)) if got.shape != expect.shape else \
             f"max |diff| {(got - expect.float()).abs().max().item():.3g}"
         raise ValueError(f"{blocks.path.name}: {'+'.join(names)} does not dequantise to the model's weight ({diff})")
+    stacked = tuple(torch.cat(t) for t in zip(*raw))  # the matrices' blocks, one above the other
     if kernel:
-        w = BlockWeight(kinds.pop(), tuple(torch.cat(t) for t in zip(*raw)), dtype)
+        w = BlockWeight(kinds[0], stacked, dtype)
     else:
-        w = Int4Weight([tuple(torch.cat([p[i][j] for p in parts]) for j in range(3)) for i in range(len(parts[0]))],
-                       dtype)
+        w = Int4Weight(int4_parts(kinds[0], stacked), dtype)
     _BUILT[key] = w
     return w
 

@@ -295,7 +295,7 @@ torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "row-invariant attention over a slotted KV cache");
-  m.def("attend_rope", &attend_rope, "RoPE, the KV write and row-invariant attention from a fused qkv");
-  // for the block kernel's layer loop (blocks.cpp run_layers), which calls it without a trip through Python
+  // RoPE, the KV write and attention from a fused qkv, for the block kernel's layer loop (blocks.cpp
+  // run_layers), which calls it by address, without a trip through Python
   m.def("attend_rope_address", []() { return reinterpret_cast<int64_t>(&attend_rope); });
 }

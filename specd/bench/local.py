@@ -199,7 +199,6 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
             for bs, name, _, _ in configs}
     reference: dict[int, list[int]] = {}  # prompt index -> HF greedy output at batch 1
     plain: dict[int, list[int]] = {}  # prompt index -> this engine's output without speculation, batch 1
-    # Warm up each path once (first-call allocations), untimed.
     peer_failed = None  # why the peer's process failed, if it did: the bench goes on without it
 
     def drop_peer(e: PeerFailed) -> None:
@@ -208,6 +207,7 @@ def run_local(model: str = "smollm2", drafts=("ngram", "truncated:4"), gamma: in
         configs[:] = [c for c in configs if c[2] != "peer"]
         print(f"specd bench: {e}; going on without the peer", file=sys.stderr)
 
+    # Warm up each path once (first-call allocations), untimed.
     for bs, name, kind, spec in list(configs):
         if bs == 1:
             try:

@@ -33,13 +33,8 @@ def block_kernel_on(monkeypatch):
 
 
 def _blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple:
-    g = torch.Generator().manual_seed(seed)
-    nb = k // native.GROUP
-    d = (torch.rand(n, nb, generator=g) / 16).half().float()
-    if kind == "Q4_1":
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        return q, d, (-torch.rand(n, nb, generator=g) / 4).half().float()
-    return torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d
+    """Random GGUF blocks of `kind` [n, k] and the fp32 weight they hold (the kernels' trial weights)."""
+    return kernels._trial_weights(torch.Generator().manual_seed(seed), kind, n, k)
 
 
 def _paths() -> list[int]:
@@ -50,8 +45,8 @@ def _paths() -> list[int]:
 def test_every_isa_path_and_width_computes_the_same_bits(kind):
     assert kernels.blocks_extension() is not None, cpu.probe("block-kernel").reason
     for n, k in SHAPES:
-        w = native.BlockWeight(kind, _blocks(kind, n, k), torch.float32)
-        dense = native.q4_1_weight(*_blocks(kind, n, k))[0] if kind == "Q4_1" else native.q8_0_weight(*_blocks(kind, n, k))[0]
+        blocks, dense = _blocks(kind, n, k)
+        w = native.BlockWeight(kind, blocks, torch.float32)
         assert torch.equal(w.dequantize(), dense)  # the tiles hold the GGUF's weights exactly
         x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(n))
         ref = F.linear(x, dense)
@@ -77,7 +72,7 @@ def test_every_isa_path_and_width_computes_the_same_bits(kind):
 def test_fused_norm_and_residual_are_the_unfused_calls_bits():
     ext = kernels.blocks_extension()
     n, k = 40, 96
-    w = native.BlockWeight("Q4_1", _blocks("Q4_1", n, k), torch.float32)
+    w = native.BlockWeight("Q4_1", _blocks("Q4_1", n, k)[0], torch.float32)
     g = torch.Generator().manual_seed(3)
     x, res, nw = torch.randn(5, k, generator=g), torch.randn(5, n, generator=g), torch.rand(k, generator=g) + 0.5
     normed = ext.rms_norm(x, nw, 1e-5)
@@ -94,7 +89,7 @@ def test_a_width_dependent_dispatch_fails_the_row_check(monkeypatch):
     """The check above can fail: a dispatcher that sends wide calls to another kernel (a dense GEMM
     over the dequantised weight, as mixed GEMV/GEMM backends do) gives rows other bits than alone."""
     n, k = 40, 96
-    w = native.BlockWeight("Q4_1", _blocks("Q4_1", n, k), torch.float32)
+    w = native.BlockWeight("Q4_1", _blocks("Q4_1", n, k)[0], torch.float32)
     real = native.BlockWeight.__call__
 
     def dispatch(self, x, *a, **kw):
@@ -112,7 +107,7 @@ def test_isa_override_selects_a_path_and_refuses_what_it_cannot(monkeypatch):
     if best >= 1:
         monkeypatch.setenv(kernels.ISA_ENV, "avx2")
         assert kernels.isa_path() == 1
-        assert native.BlockWeight("Q8_0", _blocks("Q8_0", 16, 32), torch.float32).path == 1
+        assert native.BlockWeight("Q8_0", _blocks("Q8_0", 16, 32)[0], torch.float32).path == 1
     monkeypatch.setenv(kernels.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="SPECD_ISA='sse9': expected one of"):
         kernels.isa_path()
