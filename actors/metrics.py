@@ -26,3 +26,22 @@ class BatcherStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class LoopStats:
+    """A serving replica's batcher thread: where its wall time went between engine steps.
+    `step_s` is inside `engine.step` (split further by `BatcherStats`); the rest is the replica's own:
+    admitting and dropping requests (`ops_s`), exporting the load gauges (`gauges_s`), handing each
+    step's deltas to the event loop (`deliver_s`), and waiting for work (`idle_s`)."""
+    steps: int = 0
+    step_s: float = 0.0
+    ops_s: float = 0.0
+    gauges_s: float = 0.0
+    deliver_s: float = 0.0
+    idle_s: float = 0.0
+    deltas: int = 0  # stream messages handed on (one per request per step that committed or ended it)
+    tokens: int = 0  # tokens those carried
+
+    def to_dict(self) -> dict:
+        return asdict(self)

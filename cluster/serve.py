@@ -9,10 +9,11 @@ replicas is `cluster.runtime`'s.)
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
-from .config import ClusterConfig
+from .config import SERVE_ENV, ClusterConfig
 
 POOLS = {"small_accel": 4, "large_accel": 4}
 
@@ -34,6 +35,8 @@ def start(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None =
     from .app import SERVICER_FUNCTIONS, build_app
 
     if not ray.is_initialized():
+        for k, v in SERVE_ENV.items():  # inherited by the Serve proxy and controller a local cluster starts
+            os.environ.setdefault(k, v)
         if address:
             ray.init(address=address)
         else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.build import build_engine, spec_feature_layers
+from actors.metrics import LoopStats
 from actors.models import model_name
 from actors.schema import AUTO_DRAFT, NO_DRAFT, Delta, Request
 
@@ -108,7 +109,7 @@ class VerifierServer:
         self.node = node_id()
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, _Ticket] = {}  # engine key -> subscription
-        self.steps = 0
+        self.loop = LoopStats()
         # (drafted, accepted) tokens, cumulative, after each of the last RECENT steps: GetLoad's
         # recent acceptance is the rate between the oldest and the newest
         self.recent: deque[tuple[int, int]] = deque([(0, 0)], maxlen=self.RECENT + 1)
@@ -173,8 +174,9 @@ class VerifierServer:
         eng = self.engine
         return {"replica_id": self.replica, "role": "verifier", "node_id": self.node, "pid": os.getpid(),
                 "active_sequences": eng.kv_slots_in_use(), "queued": eng.num_waiting(),
-                "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.steps,
+                "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.loop.steps,
                 "spec": eng.stats.to_dict(), "pipeline": eng.pipeline, "batcher": eng.batcher.to_dict(),
+                "loop": self.loop.to_dict(), "batcher_tid": self._thread.native_id,
                 "prefix_cache": eng.prefix.counts(),
                 "engine": eng.info, "policy": eng.policy.state() if eng.policy is not None else None,
                 "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
@@ -236,28 +238,40 @@ class VerifierServer:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(found))
 
     def _loop(self) -> None:
-        eng = self.engine
+        eng, acc, clock = self.engine, self.loop, time.perf_counter
+        exported = False  # the gauges show the state as it is (exported after a step, nothing changed since)
         while True:
             block = not eng.has_work()
+            t0 = clock()
             try:
                 while True:  # requests join (and leave) at step boundaries; idle, it wakes to re-send the gauges
                     op = self.inbox.get(block=block, timeout=GAUGE_REFRESH_S if block else None)
-                    block = False
+                    t1 = clock()
+                    if block:
+                        acc.idle_s += t1 - t0
+                    block, exported = False, False
                     try:
                         self._handle(op)
                     except Exception as e:  # the batcher goes on; a caller waiting on the op learns why
                         log.exception("batcher op %s failed", type(op).__name__)
                         if isinstance(op, (_SetPipeline, _AbortIds)):
                             op.loop.call_soon_threadsafe(lambda err=e, f=op.future: f.done() or f.set_exception(err))
+                    t0 = clock()
+                    acc.ops_s += t0 - t1
             except queue.Empty:
-                pass
+                if block:
+                    acc.idle_s += clock() - t0
+                    exported = False  # the idle refresh
             now = time.monotonic()
             for t in [t for t in self.tickets.values() if t.deadline is not None and now > t.deadline]:
                 self._drop(t)
                 self._deliver(t, TimeoutError(f"request {t.request.request_id!r} ran past its deadline"))
-            self._export_load()
+                exported = False
+            if not exported:
+                self._timed_export()
             if not eng.has_work():
                 continue
+            t1 = clock()
             try:
                 outs = eng.step()
             except Exception as e:  # never let one bad step kill the replica silently
@@ -265,8 +279,11 @@ class VerifierServer:
                 for t in list(self.tickets.values()):
                     self._drop(t)
                     self._deliver(t, RuntimeError(f"engine step failed: {e}"))
+                exported = False
                 continue
-            self.steps += 1
+            t2 = clock()
+            acc.step_s += t2 - t1
+            acc.steps += 1
             st = eng.stats  # finished requests' counts, plus the active ones' below
             live = [s.stats for s in eng.active.values()]
             self.recent.append((st.draft_tokens + sum(x.draft_tokens for x in live),
@@ -276,8 +293,17 @@ class VerifierServer:
                 if t is None:
                     continue
                 t.sent += len(delta.token_ids)
+                acc.deltas += 1
+                acc.tokens += len(delta.token_ids)
                 if delta.finished:
                     del self.tickets[key]
                     self.metrics.finished(t.request.speculation.draft or NO_DRAFT, delta)  # as the engine resolves it
                 self._deliver(t, delta)
-            self._export_load()
+            acc.deliver_s += clock() - t2
+            self._timed_export()
+            exported = True
+
+    def _timed_export(self) -> None:
+        t0 = time.perf_counter()
+        self._export_load()
+        self.loop.gauges_s += time.perf_counter() - t0

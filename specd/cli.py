@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of a running cluster: benchmark it through the SDK (specd/bench/cluster.py)")
     b.add_argument("--serve", action="store_true",
                    help="start a local cluster from --config, benchmark it as with --address, shut it down")
+    b.add_argument("--profile", action="store_true",
+                   help="--serve: also the served profile (specd/bench/served.py): the verifier loop's time per "
+                        "step and each process's CPU per token, per point, beside the in-process engine's")
     b.add_argument("--config", default=None,
                    help="cluster YAML (--serve starts it; --address reads dtype, threads and draft specs from it; "
                         "default cluster/configs/local.yaml)")
@@ -412,6 +415,9 @@ def _bench(args) -> int:
         from .bench import structured
 
         return structured.main(args)
+    if args.profile and not args.serve:
+        raise ValueError("--profile needs --serve: it reads this machine's processes and the verifier's own "
+                         "accounting through Ray")
     if args.address or args.serve:
         from .bench import cluster as bench_cluster
 
@@ -563,9 +569,13 @@ def _demo_cluster(args) -> int:
                 print(f"\n[{n} tokens in {dt:.1f} s, {n / dt:.1f} tok/s, draft {args.draft}{acc}]", flush=True)
 
             drafts = ["none"] + [d.name for d in cfg.drafts]
+            dtype = next((r.dtype for r in reps if r.role == "verifier" and r.dtype), cfg.dtype)
+            local = _demo_inprocess(cfg, dtype, msgs, args.max_tokens)
             print(f"\n[specd demo] timing the questions through the cluster with drafts {', '.join(drafts)}, "
-                  "interleaved ...", flush=True)
+                  f"and each on the same engine in this process ({cfg.verifier.torch_threads} thread, as the "
+                  "verifier), interleaved ...", flush=True)
             tot = {d: [0, 0.0, 0, 0, 0] for d in drafts}  # tokens, seconds, drafted, accepted, draft steps
+            here = {d: [0, 0.0] for d in drafts}  # in-process: tokens, seconds
             for i in range(len(DEMO_QUESTIONS)):
                 for d in (drafts if i % 2 == 0 else drafts[::-1]):
                     n, dt, st = one(i, d)
@@ -573,6 +583,9 @@ def _demo_cluster(args) -> int:
                     for k, v in enumerate((n, dt, st.get("draft_tokens", 0), st.get("accepted_tokens", 0),
                                            st.get("drafts", 0))):
                         tot[d][k] += v
+                    n, dt = local(i, d, 0 if d == "none" else gamma_of(d))
+                    here[d][0] += n
+                    here[d][1] += dt
             base = tot["none"][0] / tot["none"][1]
             placement = {d.name: d.placement for d in cfg.drafts}
             policy: dict[str, dict] = {}
@@ -581,7 +594,8 @@ def _demo_cluster(args) -> int:
                     policy.setdefault(name, st)
             for d in drafts:
                 n, dt, drafted, acc, steps = tot[d]
-                line = f"  {d:>12} {placement.get(d, ''):>9}: {n / dt:6.1f} tok/s  ({n / dt / base:.2f}× no draft)"
+                line = (f"  {d:>12} {placement.get(d, ''):>9}: {n / dt:6.1f} tok/s  ({n / dt / base:.2f}× no draft, "
+                        f"{n / dt / (here[d][0] / here[d][1]):.2f}× in-process)")
                 if d in policy:
                     line += f"  policy speculated on {policy[d]['speculated_share']:.0%} of steps"
                 if drafted:
@@ -601,6 +615,39 @@ def _demo_cluster(args) -> int:
         S.stop()
     print("[specd demo] done", flush=True)
     return 0
+
+
+def _demo_inprocess(cfg, dtype: str, msgs: list, max_tokens: int):
+    """The cluster's engine in this process, every draft colocated, at the verifier's thread count:
+    `run(i, draft, gamma)` streams question i greedily and returns (tokens, seconds)."""
+    import uuid
+
+    import torch
+
+    from actors.build import build_engine
+    from actors.schema import AUTO, Request, SamplingParams, SpeculationParams
+    from actors.text import encode_prompt
+
+    built = build_engine(cfg.model, {d.name: d.spec for d in cfg.drafts}, dtype, max_batch=1, max_len=cfg.max_len,
+                         device=cfg.device, prepack=cfg.prepack, weights=cfg.weights, exact=cfg.exact)
+    eng = built.engine
+    eng.prefix.on = cfg.verifier.prefix_cache
+    ids = [encode_prompt(built.target.tokenizer, messages=m) for m in msgs]
+
+    def run(i: int, draft: str, gamma: int | None) -> tuple[int, float]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.verifier.torch_threads)
+        try:
+            t, n = time.perf_counter(), 0
+            eng.add_request(Request(uuid.uuid4().hex, ids[i], SamplingParams(max_tokens=max_tokens),
+                                    SpeculationParams(draft=draft, gamma=AUTO if gamma is None else gamma)))
+            while eng.has_work():
+                n += sum(len(d.token_ids) for d in eng.step().values())
+            return n, time.perf_counter() - t
+        finally:
+            torch.set_num_threads(threads)
+    run(0, "none", 0)  # warm-up
+    return run
 
 
 def _demo_local(args) -> int:

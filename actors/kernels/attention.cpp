@@ -294,7 +294,9 @@ torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, co
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "row-invariant attention over a slotted KV cache");
+  // without the GIL, as ATen's ops (and blocks.cpp's) run
+  m.def("attend", &attend, "row-invariant attention over a slotted KV cache",
+        py::call_guard<py::gil_scoped_release>());
   // RoPE, the KV write and attention from a fused qkv, for the block kernel's layer loop (blocks.cpp
   // run_layers), which calls it by address, without a trip through Python
   m.def("attend_rope_address", []() { return reinterpret_cast<int64_t>(&attend_rope); });

@@ -594,11 +594,14 @@ std::vector<torch::Tensor> run_layers(torch::Tensor x, const std::vector<torch::
 
 }  // namespace
 
+// Each call lets go of the GIL, as ATen's own ops do: a serving replica's event loop (streaming the
+// last step's tokens) runs on another core while a pass computes, instead of waiting for it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("matmul", &matmul, "x @ W^T over GGUF Q4_1 / Q8_0 blocks, activations as Q8 blocks", py::arg("x"),
         py::arg("W"), py::arg("S"), py::arg("kind"), py::arg("n"), py::arg("path"), py::arg("norm") = py::none(),
-        py::arg("eps") = 0.0, py::arg("residual") = py::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, in one order at every width");
-  m.def("run_layers", &run_layers, "a stack of plain Llama layers over block tiles in one call");
+        py::arg("eps") = 0.0, py::arg("residual") = py::none(), nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, in one order at every width", nogil());
+  m.def("run_layers", &run_layers, "a stack of plain Llama layers over block tiles in one call", nogil());
   m.def("isa", &isa, "the best ISA path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (int8 tiles)");
 }

@@ -213,10 +213,42 @@ def test_bench_address_report(cluster, tmp_path):
     assert all(v > 0 for v in ra["vs_hf_serial"].values())
     assert set(ra["spec_vs_off"]) == {"cluster-c1", "cluster-c2", "in-process-c1"}
     goals = rep["goals"]
-    assert {"cluster-c1_spec_ge_0.98x_off", "cluster-c2_spec_ge_0.98x_off", "c1_off_cluster_ge_0.95x_inprocess",
-            "c2_ge_0.7x_runner_ceiling", "c2_vs_serial_hf"} <= set(goals)
+    assert {"cluster-c1_spec_ge_0.98x_off", "cluster-c2_spec_ge_0.98x_off", "c1_off_cluster_ge_0.97x_inprocess",
+            "c2_ge_0.8x_runner_ceiling", "c2_vs_serial_hf"} <= set(goals)
     assert goals["c2_vs_serial_hf"]["ratio"] == pytest.approx(
         max(r["tokens_per_s"] for r in rep["results"] if r["side"] == "cluster" and r["concurrency"] == 2)
         / next(r["tokens_per_s"] for r in rep["results"] if r["side"] == "hf"))
     # the same engine code on both sides, fp32, batch 1: identical greedy tokens, and speculation changes none
     assert rep["greedy_agreement_cluster_vs_inprocess_c1"] == {"spec": 1.0, "off": 1.0, "cluster spec vs cluster off": 1.0}
+
+
+def test_bench_served_profile(cluster, tmp_path):
+    """`specd bench --serve --profile`'s served profile (specd/bench/served.py) on this cluster:
+    per point, the verifier loop's own accounting and each process's CPU per generated token.
+    The batcher thread is told apart from the verifier's other threads (a profile that counted the
+    whole replica as one, or read another process's thread, would not show both), every generated
+    token is counted, and the engine's pass is part of its step."""
+    from specd.bench import served
+    from specd.bench.cluster import run
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BENCH_PROMPTS))
+    rep = run(ADDRESS[0], (1, 2), "ngram", 3, 12, prompts, 2, CONFIG_PATH[0], hf=False, progress=False,
+              match_niceness=False, ceiling=False, profile=True)
+    prof = rep["profile"]
+    assert set(prof) == {"c1 spec", "c1 off", "c2 spec", "c2 off", "in-process c1 spec", "in-process c1 off"}
+    for key in ("c1 spec", "c1 off", "c2 spec", "c2 off"):
+        p = prof[key]
+        got = next(r["tokens"] for r in rep["results"]
+                   if r["side"] == "cluster" and f"c{r['concurrency']} {r['mode']}" == key)
+        assert p["tokens"] == got > 0 and p["steps"] > 0
+        loop = p["loop_ms_per_step"]
+        assert all(v >= 0 for v in loop.values())
+        assert 0 < loop["engine verify_s"] <= loop["step_s"] * 1.001
+        assert p["deltas_per_step"] >= 1  # at least one stream message per step that ran a request
+        cpu = p["cpu_ms_per_token"]
+        assert cpu["verifier: batcher thread"] > 0 and cpu["verifier: other threads"] > 0
+        assert cpu["router"] > 0 and "Serve proxy" in cpu
+    assert prof["in-process c1 off"]["steps"] > 0 and prof["in-process c1 off"]["loop_ms_per_step"]["engine verify_s"] > 0
+    text = served.render(prof)
+    assert "verifier: batcher thread" in text and "ms per engine step" in text

@@ -158,6 +158,38 @@ def test_calibration_measures_the_grid_and_the_hardware_is_recorded(tiny):
     assert hw["device"] == "cpu" and hw["threads"] >= 1 and "name" in hw and "flags" in hw
 
 
+def test_calibration_on_a_busy_machine_is_measured_again_and_not_cached(tiny, tmp_path, monkeypatch, caplog):
+    """A calibration while another process keeps a core busy (a real busy loop here) is measured
+    twice and not cached, with a warning in the load log; a quiet one is cached and read back
+    (the quiet machine is simulated: nothing in a test run can promise one)."""
+    import subprocess
+    import sys
+
+    from actors import calibrate as C
+
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
+    runner = LlamaRunner(tiny.model)
+    calls = []
+    real = C.measure
+    monkeypatch.setattr(C, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with caplog.at_level("WARNING", logger="specd"):
+            busy = C.calibrated(runner, "tiny", 2, reps=1)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert len(calls) == 2 and busy.meta["busy_cores"] > C.BUSY_CORES
+    assert not list(tmp_path.rglob("*.json")) and "not cached" in caplog.text
+
+    calls.clear()
+    monkeypatch.setattr(C, "others_busy_s", lambda: (0.0, 0.0))  # a quiet machine
+    quiet = C.calibrated(runner, "tiny", 2, reps=1)
+    assert len(calls) == 1 and quiet.meta["busy_cores"] == 0.0 and len(list(tmp_path.rglob("*.json"))) == 1
+    again = C.calibrated(runner, "tiny", 2, reps=1)
+    assert len(calls) == 1 and "cached" in again.meta and again.points == quiet.points
+
+
 # --------------------------------------------------------------------------- #
 # The engine under the policy (tiny model, injected cost curves)
 # --------------------------------------------------------------------------- #

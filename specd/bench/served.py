@@ -1,0 +1,174 @@
+"""`specd bench --serve --profile`: where a served token's time goes, per concurrency point.
+
+Two views, taken around every timed cluster request (c1) or point (c > 1):
+  verifier loop  the batcher thread's own accounting (`actors.metrics.LoopStats`, through a Serve
+                 handle): per engine step, the engine's pass, prefill and drafting
+                 (`BatcherStats`), and the replica's own work between steps (admitting, gauges,
+                 handing deltas to the event loop) and its idle time; deltas per step
+  CPU per token  CPU seconds each process of this machine's Ray session spent per generated
+                 token (/proc): the verifier's batcher thread apart from its other threads (Serve's
+                 event loop and Ray's streaming), the router, the Serve proxy and controller, the
+                 draft replicas, Ray's own daemons and the benchmark's client
+The in-process engine's accounting at c1 stands beside them. Local clusters only (/proc, and a
+Serve handle from this process): `--serve` starts one.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .records import verifier_stats
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+BATCHER_KEYS = ("verify_s", "prefill_s", "draft_s", "target_passes", "rows_verified")
+LOOP_KEYS = ("steps", "step_s", "ops_s", "gauges_s", "deliver_s", "idle_s", "deltas", "tokens")
+
+
+def _cpu_s(path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _role(cmd: str, me: int, pid: int) -> str | None:
+    """What a process is in this Ray session, by its command line (None: not Ray's)."""
+    if pid == me:
+        return "client (benchmark process)"
+    if cmd.startswith("ray::ServeReplica:"):
+        dep = cmd.split()[0].split(":")[-1].split(".")[0]
+        return {"Verifier": "verifier", "Router": "router"}.get(dep, f"replica {dep}")
+    if cmd.startswith("ray::ProxyActor"):
+        return "Serve proxy"
+    if cmd.startswith("ray::ServeController"):
+        return "Serve controller"
+    if cmd.startswith("ray::"):
+        return "other Ray actors"
+    if "/ray/" in cmd or "ray/core/src" in cmd:
+        return "Ray daemons (raylet, GCS, agents)"
+    return None
+
+
+class ProcessCPU:
+    """CPU seconds per role of this machine's Ray processes, the verifier's batcher thread apart."""
+
+    def __init__(self, batcher_tids: dict[int, int]):
+        """batcher_tids: verifier pid -> its batcher thread's native id."""
+        self.batcher_tids = batcher_tids
+        self.me = os.getpid()
+
+    def snapshot(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            try:
+                with open(f"/proc/{pid}/cmdline") as f:
+                    cmd = f.read().replace("\0", " ").strip()
+                role = _role(cmd, self.me, pid)
+                if role is None:
+                    continue
+                total = _cpu_s(f"/proc/{pid}/stat")
+                tid = self.batcher_tids.get(pid)
+                if tid is not None:
+                    batcher = _cpu_s(f"/proc/{pid}/task/{tid}/stat")
+                    out["verifier: batcher thread"] = out.get("verifier: batcher thread", 0.0) + batcher
+                    total -= batcher
+                    role = "verifier: other threads"
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            out[role] = out.get(role, 0.0) + total
+        return out
+
+
+class ServedProfile:
+    """Accumulates both views per (concurrency, mode) key over the timed requests."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        st = verifier_stats(handle)
+        self.cpu = ProcessCPU({st["pid"]: st["batcher_tid"]}) if st.get("batcher_tid") else ProcessCPU({})
+        self.points: dict[str, dict] = {}
+        self.lock = threading.Lock()
+
+    def _snap(self) -> tuple[dict, dict, dict]:
+        st = verifier_stats(self.handle)
+        return st["loop"], st["batcher"], self.cpu.snapshot()
+
+    def around(self, key: str, fn):
+        """Run fn (a timed request or point), adding what it cost to `key`'s totals; fn's result."""
+        before = self._snap()
+        out = fn()
+        after = self._snap()
+        with self.lock:
+            acc = self.points.setdefault(key, {"loop": {}, "batcher": {}, "cpu": {}})
+            for i, part in enumerate(("loop", "batcher", "cpu")):
+                for k, v in after[i].items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        acc[part][k] = acc[part].get(k, 0) + v - before[i].get(k, 0)
+        return out
+
+    def report(self, tokens: dict[str, int], inprocess: dict | None = None) -> dict:
+        """Per key: ms per engine step of each part of the verifier loop, and CPU ms per generated
+        token of each process role. tokens: key -> tokens the clients received."""
+        out = {}
+        for key, acc in self.points.items():
+            loop, b, cpu = acc["loop"], acc["batcher"], acc["cpu"]
+            steps = max(1, loop.get("steps", 0))
+            n = max(1, tokens.get(key, 0))
+            per_step = {k: loop.get(k, 0.0) / steps * 1e3 for k in ("step_s", "ops_s", "gauges_s", "deliver_s",
+                                                                     "idle_s")}
+            per_step.update({f"engine {k}": b.get(k, 0.0) / steps * 1e3 for k in ("verify_s", "prefill_s",
+                                                                                 "draft_s")})
+            out[key] = {"steps": loop.get("steps", 0), "tokens": tokens.get(key, 0),
+                        "tokens_per_step": tokens.get(key, 0) / steps,
+                        "deltas_per_step": loop.get("deltas", 0) / steps,
+                        "rows_per_pass": b.get("rows_verified", 0) / max(1, b.get("target_passes", 0)),
+                        "loop_ms_per_step": per_step,
+                        "cpu_ms_per_token": {r: s / n * 1e3 for r, s in sorted(cpu.items(), key=lambda x: -x[1])}}
+        if inprocess is not None:
+            out["in-process c1"] = inprocess
+        return out
+
+
+def inprocess_profile(before: dict, after: dict, tokens: int) -> dict:
+    """The in-process engine's own accounting between two `BatcherStats` dicts, per step."""
+    d = {k: after[k] - before[k] for k in BATCHER_KEYS}
+    steps = max(1, d["target_passes"])
+    return {"steps": d["target_passes"], "tokens": tokens, "tokens_per_step": tokens / steps,
+            "loop_ms_per_step": {f"engine {k}": d[k] / steps * 1e3 for k in ("verify_s", "prefill_s", "draft_s")}}
+
+
+def render(profile: dict) -> str:
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(record=True, width=150, file=io.StringIO())
+    keys = list(profile)
+    t = Table(title="served profile: the verifier loop, ms per engine step")
+    t.add_column("part")
+    for k in keys:
+        t.add_column(k, justify="right")
+    parts = list(dict.fromkeys(p for k in keys for p in profile[k]["loop_ms_per_step"]))
+    label = {"idle_s": "idle_s (between requests, the bench's own stats calls included)"}
+    for p in parts:
+        t.add_row(label.get(p, p), *(f"{profile[k]['loop_ms_per_step'][p]:.2f}" if p in profile[k]["loop_ms_per_step"] else "—"
+                       for k in keys))
+    for label, field in (("tokens per step", "tokens_per_step"), ("stream messages per step", "deltas_per_step"),
+                         ("rows per pass", "rows_per_pass")):
+        t.add_row(label, *(f"{profile[k][field]:.2f}" if field in profile[k] else "—" for k in keys))
+    con.print(t)
+    cl = [k for k in keys if "cpu_ms_per_token" in profile[k]]
+    t = Table(title="served profile: CPU ms per generated token, by process (this machine)")
+    t.add_column("process")
+    for k in cl:
+        t.add_column(k, justify="right")
+    roles = list(dict.fromkeys(r for k in cl for r in profile[k]["cpu_ms_per_token"]))
+    for r in roles:
+        t.add_row(r, *(f"{profile[k]['cpu_ms_per_token'].get(r, 0.0):.2f}" for k in cl))
+    t.add_row("all", *(f"{sum(profile[k]['cpu_ms_per_token'].values()):.2f}" for k in cl))
+    con.print(t)
+    return con.export_text()
