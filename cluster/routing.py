@@ -50,12 +50,16 @@ class PrefixRouter(_prefix_router_base()):
     nothing matches well, and by power-of-two choices otherwise. Its "text" here is the request's
     tenant (a suffix draft's cache is per tenant) followed by its prompt token ids, one character
     each, so a match is a shared token prefix. Pinned calls (control RPCs, by session id) go where
-    they are pinned, as `PinnedRouter` sends them."""
+    they are pinned, as `PinnedRouter` sends them. With one replica running there is nothing to choose,
+    and the tree is not asked (each ask is an actor call on the request's path); it still learns where
+    every prompt went, for when a second replica starts."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         pin = pending_request.metadata.session_id if pending_request is not None else None
         if pin:
             return await PinnedRouter.choose_replicas(self, candidate_replicas, pending_request)
+        if len(candidate_replicas) == 1:  # nothing to choose: no trip to the prefix tree's actor
+            return [list(candidate_replicas)]
         return await super().choose_replicas(candidate_replicas, pending_request)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:

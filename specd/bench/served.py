@@ -20,7 +20,7 @@ import threading
 from .records import verifier_stats
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-BATCHER_KEYS = ("verify_s", "prefill_s", "draft_s", "target_passes", "rows_verified")
+BATCHER_KEYS = ("verify_s", "prefill_s", "draft_s", "target_passes", "rows_verified", "prefill_tokens")
 LOOP_KEYS = ("steps", "step_s", "ops_s", "gauges_s", "deliver_s", "idle_s", "deltas", "tokens")
 
 
@@ -125,6 +125,7 @@ class ServedProfile:
                         "tokens_per_step": tokens.get(key, 0) / steps,
                         "deltas_per_step": loop.get("deltas", 0) / steps,
                         "rows_per_pass": b.get("rows_verified", 0) / max(1, b.get("target_passes", 0)),
+                        "prefilled_per_token": b.get("prefill_tokens", 0) / n,
                         "loop_ms_per_step": per_step,
                         "cpu_ms_per_token": {r: s / n * 1e3 for r, s in sorted(cpu.items(), key=lambda x: -x[1])}}
         if inprocess is not None:
@@ -137,6 +138,7 @@ def inprocess_profile(before: dict, after: dict, tokens: int) -> dict:
     d = {k: after[k] - before[k] for k in BATCHER_KEYS}
     steps = max(1, d["target_passes"])
     return {"steps": d["target_passes"], "tokens": tokens, "tokens_per_step": tokens / steps,
+            "prefilled_per_token": d["prefill_tokens"] / max(1, tokens),
             "loop_ms_per_step": {f"engine {k}": d[k] / steps * 1e3 for k in ("verify_s", "prefill_s", "draft_s")}}
 
 
@@ -158,7 +160,8 @@ def render(profile: dict) -> str:
         t.add_row(label.get(p, p), *(f"{profile[k]['loop_ms_per_step'][p]:.2f}" if p in profile[k]["loop_ms_per_step"] else "—"
                        for k in keys))
     for label, field in (("tokens per step", "tokens_per_step"), ("stream messages per step", "deltas_per_step"),
-                         ("rows per pass", "rows_per_pass")):
+                         ("rows per pass", "rows_per_pass"),
+                         ("prompt tokens prefilled per generated token", "prefilled_per_token")):
         t.add_row(label, *(f"{profile[k][field]:.2f}" if field in profile[k] else "—" for k in keys))
     con.print(t)
     cl = [k for k in keys if "cpu_ms_per_token" in profile[k]]
