@@ -51,6 +51,7 @@ class PassCost:
     def __post_init__(self):
         self.bs = sorted({b for b, _ in self.points})
         self.ts = {b: sorted(t for bb, t in self.points if bb == b) for b in self.bs}  # T measured per B
+        self._memo: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds: the policy asks ~30 per step
 
     @staticmethod
     def _bracket(xs: list[int], x: float) -> tuple[int, int, float]:
@@ -69,9 +70,12 @@ class PassCost:
         return self.points[b, t0] + (self.points[b, t1] - self.points[b, t0]) * ft
 
     def __call__(self, rows: int, tokens: int) -> float:
-        b0, b1, fb = self._bracket(self.bs, rows)
-        at_b0, at_b1 = self._at(b0, tokens), self._at(b1, tokens)
-        return max(at_b0 + (at_b1 - at_b0) * fb, 1e-6)
+        got = self._memo.get((rows, tokens))
+        if got is None:
+            b0, b1, fb = self._bracket(self.bs, rows)
+            at_b0, at_b1 = self._at(b0, tokens), self._at(b1, tokens)
+            got = self._memo[rows, tokens] = max(at_b0 + (at_b1 - at_b0) * fb, 1e-6)
+        return got
 
     def per_token(self, rows: int) -> float:
         """Seconds per generated token when `rows` sequences decode one token each."""
