@@ -216,7 +216,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
             from ray import serve
 
             from .served import ServedProfile
-            prof = ServedProfile(serve.get_deployment_handle("Verifier", app_name=cfg.app_name))
+            prof = ServedProfile(serve.get_deployment_handle("Verifier", app_name=cfg.app_name), cfg.app_name)
         local_acc: dict[str, list] = {}  # mode -> [in-process BatcherStats totals, tokens] (profile)
 
         def inprocess(mode, fn):

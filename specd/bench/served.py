@@ -10,7 +10,8 @@ Two views, taken around every timed cluster request (c1) or point (c > 1):
                  event loop and Ray's streaming), the router, the Serve proxy and controller, the
                  draft replicas, Ray's own daemons and the benchmark's client
 The in-process engine's accounting at c1 stands beside them. Local clusters only (/proc, and a
-Serve handle from this process): `--serve` starts one.
+Serve handle from this process): `--serve` starts one. A replica the autoscaler starts or stops
+inside a point counts whole (all it did and used since it started).
 """
 from __future__ import annotations
 
@@ -83,18 +84,41 @@ class ProcessCPU:
 
 
 class ServedProfile:
-    """Accumulates both views per (concurrency, mode) key over the timed requests."""
+    """Accumulates both views per (concurrency, mode) key over the timed requests, summed over every
+    running verifier replica (each asked through a call pinned to it, as the router asks them)."""
 
-    def __init__(self, handle):
-        self.handle = handle
-        st = verifier_stats(handle)
-        self.cpu = ProcessCPU({st["pid"]: st["batcher_tid"]}) if st.get("batcher_tid") else ProcessCPU({})
+    def __init__(self, handle, app_name: str = "specd"):
+        self.handle, self.app_name = handle, app_name
+        self.cpu = ProcessCPU({})
         self.points: dict[str, dict] = {}
         self.lock = threading.Lock()
 
+    def _replica_ids(self) -> list[str]:
+        """The running Verifier replicas' ids, from the Serve controller ([] where it cannot say)."""
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        try:
+            ctrl = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            details = ray.get(ctrl.get_serve_instance_details.remote(), timeout=30)
+        except Exception:
+            return []
+        dep = (details.get("applications", {}).get(self.app_name) or {}).get("deployments", {}).get("Verifier", {})
+        return [r["replica_id"] for r in dep.get("replicas", []) if r.get("state") == "RUNNING"]
+
     def _snap(self) -> tuple[dict, dict, dict]:
-        st = verifier_stats(self.handle)
-        return st["loop"], st["batcher"], self.cpu.snapshot()
+        ids = self._replica_ids()
+        answers = [verifier_stats(self.handle.options(session_id=rid)) for rid in ids] or [verifier_stats(self.handle)]
+        loop: dict[str, float] = {}
+        batcher: dict[str, float] = {}
+        for st in {a["replica_id"]: a for a in answers}.values():  # a pin a handle could not honour: asked twice
+            for acc, part in ((loop, st["loop"]), (batcher, st["batcher"])):
+                for k, v in part.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        acc[k] = acc.get(k, 0) + v
+            if st.get("batcher_tid"):
+                self.cpu.batcher_tids[st["pid"]] = st["batcher_tid"]
+        return loop, batcher, self.cpu.snapshot()
 
     def around(self, key: str, fn):
         """Run fn (a timed request or point), adding what it cost to `key`'s totals; fn's result."""
@@ -105,8 +129,7 @@ class ServedProfile:
             acc = self.points.setdefault(key, {"loop": {}, "batcher": {}, "cpu": {}})
             for i, part in enumerate(("loop", "batcher", "cpu")):
                 for k, v in after[i].items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        acc[part][k] = acc[part].get(k, 0) + v - before[i].get(k, 0)
+                    acc[part][k] = acc[part].get(k, 0) + v - before[i].get(k, 0)
         return out
 
     def report(self, tokens: dict[str, int], inprocess: dict | None = None) -> dict:
