@@ -21,6 +21,10 @@ Every request at one concurrency level has a distinct prompt, so nothing coalesc
 The in-process engine runs with the verifier's torch thread count (from the cluster config),
 HF with every core: the baseline gets the whole machine.
 
+`--profile` (with `--serve`) adds where a served token's time goes (`specd.bench.served`): the
+verifier loop's own accounting per step beside the in-process engine's, and every local process's
+CPU per generated token.
+
 `--pipeline-compare` (see `pipeline_compare`) measures what pipelining buys instead: one cluster,
 one remote model draft, the Verifier switched on and off through a Serve handle between
 interleaved rounds on the same prompts, with the batcher's own accounting of where time went.
@@ -349,7 +353,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
         tokens = {f"c{r['concurrency']} {r['mode']}": r["tokens"] for r in results if r["side"] == "cluster"}
         served = prof.report(tokens)
         for mode, (acc, n) in local_acc.items():
-            served[f"in-process c1 {mode}"] = inprocess_profile({k: 0 for k in acc}, acc, n)
+            served[f"in-process c1 {mode}"] = inprocess_profile(acc, n)
     for r in results:  # token ids stay out of the JSON
         r.pop("token_ids", None)
     ver = [r for r in stats.replicas if r.role == "verifier"]
@@ -673,7 +677,7 @@ def main(args) -> int:
         report = run(address, tuple(int(x) for x in args.concurrency.split(",")), draft, args.gamma,
                      args.max_tokens, args.prompts, args.limit if args.limit is not None else 16, config_path,
                      inprocess=not args.no_inprocess, hf=not args.no_hf, rounds=args.rounds,
-                     match_niceness=not args.no_match_niceness, profile=getattr(args, "profile", False))
+                     match_niceness=not args.no_match_niceness, profile=args.profile)
     finally:
         if started:
             S.stop()

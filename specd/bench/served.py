@@ -16,13 +16,10 @@ inside a point counts whole (all it did and used since it started).
 from __future__ import annotations
 
 import os
-import threading
 
 from .records import verifier_stats
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-BATCHER_KEYS = ("verify_s", "prefill_s", "draft_s", "target_passes", "rows_verified", "prefill_tokens")
-LOOP_KEYS = ("steps", "step_s", "ops_s", "gauges_s", "deliver_s", "idle_s", "deltas", "tokens")
 
 
 def _cpu_s(path: str) -> float:
@@ -91,7 +88,6 @@ class ServedProfile:
         self.handle, self.app_name = handle, app_name
         self.cpu = ProcessCPU({})
         self.points: dict[str, dict] = {}
-        self.lock = threading.Lock()
 
     def _replica_ids(self) -> list[str]:
         """The running Verifier replicas' ids, from the Serve controller ([] where it cannot say)."""
@@ -125,14 +121,13 @@ class ServedProfile:
         before = self._snap()
         out = fn()
         after = self._snap()
-        with self.lock:
-            acc = self.points.setdefault(key, {"loop": {}, "batcher": {}, "cpu": {}})
-            for i, part in enumerate(("loop", "batcher", "cpu")):
-                for k, v in after[i].items():
-                    acc[part][k] = acc[part].get(k, 0) + v - before[i].get(k, 0)
+        acc = self.points.setdefault(key, {"loop": {}, "batcher": {}, "cpu": {}})
+        for i, part in enumerate(("loop", "batcher", "cpu")):
+            for k, v in after[i].items():
+                acc[part][k] = acc[part].get(k, 0) + v - before[i].get(k, 0)
         return out
 
-    def report(self, tokens: dict[str, int], inprocess: dict | None = None) -> dict:
+    def report(self, tokens: dict[str, int]) -> dict:
         """Per key: ms per engine step of each part of the verifier loop, and CPU ms per generated
         token of each process role. tokens: key -> tokens the clients received."""
         out = {}
@@ -151,18 +146,16 @@ class ServedProfile:
                         "prefilled_per_token": b.get("prefill_tokens", 0) / n,
                         "loop_ms_per_step": per_step,
                         "cpu_ms_per_token": {r: s / n * 1e3 for r, s in sorted(cpu.items(), key=lambda x: -x[1])}}
-        if inprocess is not None:
-            out["in-process c1"] = inprocess
         return out
 
 
-def inprocess_profile(before: dict, after: dict, tokens: int) -> dict:
-    """The in-process engine's own accounting between two `BatcherStats` dicts, per step."""
-    d = {k: after[k] - before[k] for k in BATCHER_KEYS}
-    steps = max(1, d["target_passes"])
-    return {"steps": d["target_passes"], "tokens": tokens, "tokens_per_step": tokens / steps,
-            "prefilled_per_token": d["prefill_tokens"] / max(1, tokens),
-            "loop_ms_per_step": {f"engine {k}": d[k] / steps * 1e3 for k in ("verify_s", "prefill_s", "draft_s")}}
+def inprocess_profile(totals: dict, tokens: int) -> dict:
+    """The in-process engine's own accounting per step, from `BatcherStats` totals over its timed
+    requests (and the tokens they generated)."""
+    steps = max(1, totals["target_passes"])
+    return {"steps": totals["target_passes"], "tokens": tokens, "tokens_per_step": tokens / steps,
+            "prefilled_per_token": totals["prefill_tokens"] / max(1, tokens),
+            "loop_ms_per_step": {f"engine {k}": totals[k] / steps * 1e3 for k in ("verify_s", "prefill_s", "draft_s")}}
 
 
 def render(profile: dict) -> str:
