@@ -570,7 +570,15 @@ def _demo_cluster(args) -> int:
 
             drafts = ["none"] + [d.name for d in cfg.drafts]
             dtype = next((r.dtype for r in reps if r.role == "verifier" and r.dtype), cfg.dtype)
-            local = _demo_inprocess(cfg, dtype, msgs, args.max_tokens)
+            import torch
+
+            from specd.bench.cluster import InProcess
+            torch.set_num_threads(cfg.verifier.torch_threads)  # this process only streams besides
+            local = InProcess(cfg.model, {d.name: d.spec for d in cfg.drafts}, dtype, cfg.max_len, device=cfg.device,
+                              prepack=cfg.prepack, weights=cfg.weights, exact=cfg.exact)
+            local.built.engine.prefix.on = cfg.verifier.prefix_cache
+            local_ids = [local.encode({"messages": m}) for m in msgs]
+            local.request(local_ids[0], args.max_tokens, None, 0)  # warm-up
             print(f"\n[specd demo] timing the questions through the cluster with drafts {', '.join(drafts)}, "
                   f"and each on the same engine in this process ({cfg.verifier.torch_threads} thread, as the "
                   "verifier), interleaved ...", flush=True)
@@ -583,9 +591,11 @@ def _demo_cluster(args) -> int:
                     for k, v in enumerate((n, dt, st.get("draft_tokens", 0), st.get("accepted_tokens", 0),
                                            st.get("drafts", 0))):
                         tot[d][k] += v
-                    n, dt = local(i, d, 0 if d == "none" else gamma_of(d))
-                    here[d][0] += n
-                    here[d][1] += dt
+                    g = gamma_of(d)
+                    rec = local.request(local_ids[i], args.max_tokens, None if d == "none" else d,
+                                        "auto" if g is None else g)
+                    here[d][0] += rec["tokens"]
+                    here[d][1] += rec["end"] - rec["start"]
             base = tot["none"][0] / tot["none"][1]
             placement = {d.name: d.placement for d in cfg.drafts}
             policy: dict[str, dict] = {}
@@ -615,39 +625,6 @@ def _demo_cluster(args) -> int:
         S.stop()
     print("[specd demo] done", flush=True)
     return 0
-
-
-def _demo_inprocess(cfg, dtype: str, msgs: list, max_tokens: int):
-    """The cluster's engine in this process, every draft colocated, at the verifier's thread count:
-    `run(i, draft, gamma)` streams question i greedily and returns (tokens, seconds)."""
-    import uuid
-
-    import torch
-
-    from actors.build import build_engine
-    from actors.schema import AUTO, Request, SamplingParams, SpeculationParams
-    from actors.text import encode_prompt
-
-    built = build_engine(cfg.model, {d.name: d.spec for d in cfg.drafts}, dtype, max_batch=1, max_len=cfg.max_len,
-                         device=cfg.device, prepack=cfg.prepack, weights=cfg.weights, exact=cfg.exact)
-    eng = built.engine
-    eng.prefix.on = cfg.verifier.prefix_cache
-    ids = [encode_prompt(built.target.tokenizer, messages=m) for m in msgs]
-
-    def run(i: int, draft: str, gamma: int | None) -> tuple[int, float]:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.verifier.torch_threads)
-        try:
-            t, n = time.perf_counter(), 0
-            eng.add_request(Request(uuid.uuid4().hex, ids[i], SamplingParams(max_tokens=max_tokens),
-                                    SpeculationParams(draft=draft, gamma=AUTO if gamma is None else gamma)))
-            while eng.has_work():
-                n += sum(len(d.token_ids) for d in eng.step().values())
-            return n, time.perf_counter() - t
-        finally:
-            torch.set_num_threads(threads)
-    run(0, "none", 0)  # warm-up
-    return run
 
 
 def _demo_local(args) -> int:

@@ -64,13 +64,15 @@ def cluster_point(client, prompts: list[dict], concurrency: int, max_tokens: int
 
 
 class InProcess:
-    """The same target (and draft) in this process, one request at a time."""
+    """The same target (and drafts) in this process, one request at a time (`specd bench --address`,
+    and `specd demo`'s cluster ÷ in-process column)."""
 
-    def __init__(self, model: str, draft: str | None, draft_spec: str | None, dtype: str, max_len: int):
-        """draft: the cluster's name for the draft, draft_spec: what it is (see actors/build.py)."""
+    def __init__(self, model: str, drafts: dict[str, str], dtype: str, max_len: int, **build):
+        """drafts: the cluster's name for each draft -> what it is (see actors/build.py); build: more
+        `build_engine` keywords (the cluster config's device, weights, ...)."""
         from actors.build import build_engine
 
-        self.built = build_engine(model, {draft: draft_spec} if draft else {}, dtype, max_batch=1, max_len=max_len)
+        self.built = build_engine(model, drafts, dtype, max_batch=1, max_len=max_len, **build)
         self.tok = self.built.target.tokenizer
         self.eos = sorted(self.built.target.eos_token_ids)
 
@@ -184,7 +186,7 @@ def run(address: str, concurrency=(1, 4, 16), draft: str | None = None, gamma: i
 
         local = None
         if inprocess or hf or ceiling:
-            local = InProcess(info.target, draft if draft != "none" else None, spec, dtype, cfg.max_len)
+            local = InProcess(info.target, {draft: spec} if draft != "none" else {}, dtype, cfg.max_len)
             local_ids = [local.encode(p) for p in prompts]
             torch.set_num_threads(threads_engine)
 

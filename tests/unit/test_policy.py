@@ -164,6 +164,7 @@ def test_calibration_on_a_busy_machine_is_measured_again_and_not_cached(tiny, tm
     (the quiet machine is simulated: nothing in a test run can promise one)."""
     import subprocess
     import sys
+    import time
 
     from actors import calibrate as C
 
@@ -171,9 +172,15 @@ def test_calibration_on_a_busy_machine_is_measured_again_and_not_cached(tiny, tm
     runner = LlamaRunner(tiny.model)
     calls = []
     real = C.measure
-    monkeypatch.setattr(C, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    def timed(*a, **k):  # a tiny model's grid takes milliseconds: /proc counts CPU in 10 ms ticks
+        calls.append(1)
+        time.sleep(0.3)
+        return real(*a, **k)
+    monkeypatch.setattr(C, "measure", timed)
+    burner = subprocess.Popen([sys.executable, "-c", "print('up', flush=True)\nwhile True: pass"],
+                              stdout=subprocess.PIPE, text=True)
     try:
+        assert burner.stdout.readline().strip() == "up"  # spinning before the calibration starts
         with caplog.at_level("WARNING", logger="specd"):
             busy = C.calibrated(runner, "tiny", 2, reps=1)
     finally:
