@@ -9,6 +9,9 @@ checked against its own `transformers` modeling file (tests/unit/test_families.p
   qwen2, qwen3     Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm; sliding layers where
                    `layer_types` has them
   phi3             fused qkv_proj and gate_up_proj, partial rotary, a sliding window on every layer
+  mixtral,         mixture-of-experts MLPs (`actors.moe`: routing, experts grouped per pass) on
+  qwen2_moe,       Mistral's, Qwen2's and Qwen3's attention; Qwen2-MoE's shared expert; dense
+  qwen3_moe        layers among the sparse ones where the config has them
   gemma2,          embeddings scaled by sqrt(E), RMSNorm scaling by (1 + weight) (folded into an fp32
   gemma3_text      copy at load), sandwich norms around attention and MLP, query_pre_attn_scalar,
                    GELU (tanh) MLP, alternating sliding and global layers, final logit soft-capping;
@@ -39,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu, kernels
+from .moe import MOE_TYPES, MoE
 from .native import NativeWeight
 
 
@@ -49,8 +53,8 @@ class LayerWeights:
     bqkv: torch.Tensor | None  # [(H + 2*Hkv) * D]
     wo: torch.Tensor  # [E, H * D]
     mlp_norm: torch.Tensor  # [E]
-    w_gate_up: torch.Tensor  # [2 * I, E]
-    w_down: torch.Tensor  # [E, I]
+    w_gate_up: torch.Tensor | None  # [2 * I, E]; None in a sparse layer
+    w_down: torch.Tensor | None  # [E, I]
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's (Gemma3's) RMSNorm of each query head before RoPE
     k_norm: torch.Tensor | None = None  # [D]: and of each key head
     # [E]: an EAGLE-3 head's layer, fed x = [token embedding | feature] ([B, T, 2E]): attention reads
@@ -63,6 +67,7 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None
     window: int | None = None  # sliding-window attention: the query at position p sees keys p-window+1 .. p
     rope: int = 0  # which of the runner's RoPE tables (`LlamaRunner.ropes`) this layer rotates with
+    moe: MoE | None = None  # a sparse layer's experts (`actors.moe`), in place of w_gate_up and w_down
 
 
 @dataclass
@@ -266,10 +271,13 @@ class LlamaRunner:
         else:
             wqkv = _fused(at, "weight", [at.q_proj, at.k_proj, at.v_proj])
             bqkv = _fused(at, "bias", [at.q_proj, at.k_proj, at.v_proj]) if at.q_proj.bias is not None else None
-        if hasattr(mlp, "gate_up_proj"):  # Phi3: [gate; up], as here
-            w_gate_up = mlp.gate_up_proj.weight.detach()
+        moe = MoE.from_hf(mlp, self.config.model_type, _fused) if hasattr(mlp, "experts") else None
+        if moe is not None:
+            w_gate_up = w_down = None
+        elif hasattr(mlp, "gate_up_proj"):  # Phi3: [gate; up], as here
+            w_gate_up, w_down = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
         else:
-            w_gate_up = _fused(mlp, "weight", [mlp.gate_proj, mlp.up_proj])
+            w_gate_up, w_down = _fused(mlp, "weight", [mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight.detach()
         sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma
         qk_norm = getattr(at, "q_norm", None) is not None
         return LayerWeights(
@@ -279,7 +287,7 @@ class LlamaRunner:
             wo=at.o_proj.weight.detach(),
             mlp_norm=norm((layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight),
             w_gate_up=w_gate_up,
-            w_down=mlp.down_proj.weight.detach(),
+            w_down=w_down,
             q_norm=norm(at.q_norm.weight) if qk_norm else None,
             k_norm=norm(at.k_norm.weight) if qk_norm else None,
             bo=None if at.o_proj.bias is None else at.o_proj.bias.detach(),
@@ -287,6 +295,7 @@ class LlamaRunner:
             post_mlp_norm=norm(layer.post_feedforward_layernorm.weight) if sandwich else None,
             window=window,
             rope=rope,
+            moe=moe,
         )
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -390,7 +399,7 @@ class LlamaRunner:
                 x = w.w_down(F.silu(gate) * up, residual=x)
             else:
                 x = self._post_attn(x, a, w.wo, w.mlp_norm, w.w_gate_up, w.w_down, w.bo, w.post_attn_norm,
-                                    w.post_mlp_norm)
+                                    w.post_mlp_norm, w.moe)
             if li in features:
                 taps[li] = x.to(self.dtype)
         for s, n in zip(slots, num_new):
@@ -473,14 +482,18 @@ class LlamaRunner:
         q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)  # one rotation for both: the same ops per element
         return q, k, v
 
-    def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down, bo=None, post_attn_norm=None, post_mlp_norm=None):
+    def _post_attn(self, x, a, wo, mlp_norm, w_gate_up, w_down, bo=None, post_attn_norm=None, post_mlp_norm=None,
+                   moe=None):
         """x [B, T, E], attention output a [B, T, H * D] -> the layer's output [B, T, E]. With Gemma's
-        sandwich norms: x + post_attn_norm(o), then + post_mlp_norm(mlp(mlp_norm(x)))."""
+        sandwich norms: x + post_attn_norm(o), then + post_mlp_norm(mlp(mlp_norm(x))); a sparse layer's
+        MLP is its experts (`moe`)."""
         o = self.linear(a.to(x.dtype), wo, bo)
         if post_attn_norm is not None:
             o = self.rms(o, post_attn_norm, self.eps)
         x = x + o
         h = self.rms(x, mlp_norm, self.eps)
+        if moe is not None:
+            return x + moe(h, self.linear, self.act)
         gate, up = self.linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         m = self.linear(self.act(gate) * up, w_down)
         if post_mlp_norm is not None:
@@ -534,8 +547,9 @@ class LlamaRunner:
 
     def weights(self) -> list[tuple]:
         """Every (weight, bias) this runner's passes multiply by: the layers' projections, the LM head."""
-        return [wb for w in self.layers for wb in ((w.wqkv, w.bqkv), (w.wo, w.bo), (w.w_gate_up, None),
-                                                    (w.w_down, None))] + [(self.lm_head, None)]
+        mlp = [w.moe.weights() if w.moe is not None else [(w.w_gate_up, None), (w.w_down, None)] for w in self.layers]
+        return [wb for w, m in zip(self.layers, mlp) for wb in ((w.wqkv, w.bqkv), (w.wo, w.bo), *m)] + \
+            [(self.lm_head, None)]
 
     def make_exact(self) -> "LlamaRunner":
         """Make every pass row-invariant (`kernels`): attention in one order per query row, and each
@@ -614,7 +628,7 @@ class LlamaRunner:
         return warm_linears(layers) + warm_linears([head], max_rows=256)
 
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", *MOE_TYPES}
 GEMMA_TYPES = {"gemma2", "gemma3_text"}
 PARTIAL_ROTARY_TYPES = {"phi3"}  # families whose HF attention rotates only the first dims of a head
 # Rope types whose HF frequencies the runner's tables reproduce (see the module docstring for
@@ -634,7 +648,7 @@ def _layer_types(cfg) -> list[str]:
     """Each layer's attention type ("full_attention" or "sliding_attention")."""
     n = cfg.num_hidden_layers
     types = getattr(cfg, "layer_types", None)
-    if types is None or cfg.model_type in ("llama", "mistral", "phi3"):  # their HF models ignore layer_types
+    if types is None or cfg.model_type in ("llama", "mistral", "phi3", "mixtral", "qwen3_moe"):  # HF ignores it
         return ["full_attention"] * n
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
@@ -643,13 +657,13 @@ def _layer_types(cfg) -> list[str]:
 
 
 def _layer_windows(cfg, types: list[str]) -> list[int | None]:
-    """Each layer's attention window (None: it attends to all): Mistral's and Phi3's
-    `sliding_window` on every layer; Qwen2/3's and Gemma's on the layers `layer_types` marks
-    sliding; never Llama's."""
+    """Each layer's attention window (None: it attends to all): Mistral's, Phi3's, Mixtral's and
+    Qwen3-MoE's `sliding_window` on every layer; Qwen2/3's, Qwen2-MoE's and Gemma's on the layers
+    `layer_types` marks sliding; never Llama's."""
     window = getattr(cfg, "sliding_window", None)
     if not window or cfg.model_type == "llama":
         return [None] * len(types)
-    if cfg.model_type in ("mistral", "phi3"):
+    if cfg.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # their attention reads it on every layer
         return [int(window)] * len(types)
     return [int(window) if t == "sliding_attention" else None for t in types]
 

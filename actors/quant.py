@@ -78,6 +78,9 @@ def quantize_runner(runner, mode: str):
     check_mode(mode)
     if mode == "none":
         return runner
+    if any(layer.moe is not None for layer in runner.layers):
+        raise ValueError(f"quant {mode!r}: the experts of a mixture-of-experts model are not quantized by specd "
+                         f"(quant: none serves it)")
     names = _MLP if mode == "mixed" else _ATTN + _MLP
     for layer in runner.layers:
         for name in names:

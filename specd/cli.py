@@ -191,6 +191,11 @@ def _parser() -> argparse.ArgumentParser:
                         "× --max-tokens (default 128), and the cost of exactness against --exact off at --batch-sizes, "
                         "interleaved, best of --rounds (default 3); writes out/bench_exact.json "
                         "(specd/bench/exact.py)")
+    b.add_argument("--moe", action="store_true",
+                   help="--local: only a tiny mixture-of-experts target (Qwen3-MoE, 16 experts, 2 per token) beside "
+                        "its dense twin: verify-pass curves at 1 and 8 rows × 1-16 tokens, and n-gram and truncated "
+                        "self-drafts at γ 4 and γ auto against γ 0, median of --rounds (default 3); writes "
+                        "out/bench_moe.json (specd/bench/moe.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -450,6 +455,10 @@ def _bench(args) -> int:
         from .bench import exact
 
         return exact.main(args)
+    if args.moe:
+        from .bench import moe
+
+        return moe.main(args)
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens

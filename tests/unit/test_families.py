@@ -7,12 +7,14 @@ llama3, linear, yarn and dynamic rope scalings), Qwen2 (q/k/v bias) and Qwen3 (p
 RMSNorm), each also with sliding layers, Mistral with and without its sliding window, Phi-3
 (fused projections, partial rotary, sliding window; longrope) and Gemma 2 and 3 (scaled
 embeddings, (1 + w) and sandwich norms, query_pre_attn_scalar, soft-capping, alternating
-sliding/global layers, Gemma3's q/k norms and local RoPE base). The engine decodes three prompts
+sliding/global layers, Gemma3's q/k norms and local RoPE base), and the mixture-of-experts
+families (Mixtral with and without its window, Qwen2-MoE with its shared expert and a dense layer,
+Qwen3-MoE with renormalised top-k; top-k and renormalisation each have a twin). The engine decodes three prompts
 in one batch with speculation on (n-gram and a truncated self-draft, both through rollback), and
 every greedy output equals HF `generate` (fp32). Where a family's feature could go unnoticed, a
 twin model without it (same weights) must give HF another output on the same prompts: the
 context is long enough for windows and rope scalings to matter. Token trees (the drafter's tree
-masks and the verifier's) run on the sliding-window families. The RoPE tables equal HF's rotary
+masks and the verifier's) run on the sliding-window families and the MoE ones. The RoPE tables equal HF's rotary
 output at every position the runner serves. Families, rope types and configs the runner cannot
 serve exactly are refused at load, naming what it does serve."""
 from __future__ import annotations
@@ -34,7 +36,8 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-           "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+           "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def family(model_type: str, **kw):
@@ -46,7 +49,7 @@ def family(model_type: str, **kw):
     model = model_cls(cfg_cls(**{**SMALL, **kw}))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # linears, and MoE experts stacked [experts, out, in]
                 p.normal_(0.0, 0.08)
             elif name.endswith(".bias"):  # q/k/v (and o) biases: nonzero, so a runner that drops one fails
                 p.normal_(0.0, 0.05)
@@ -68,6 +71,11 @@ SHORT, LONG = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0], [1.0, 1.5, 2.0, 3.0, 4.0
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=W)
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
 ALL_FULL = ["full_attention"] * 4
+# Mixture-of-experts families: few experts, so that every pass meets several and rows share them
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                 mlp_only_layers=[1])  # a dense layer among the sparse ones
+QWEN3_MOE = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=2)
 
 # name -> (model_type, config, twins): each twin is a config change that must change HF's greedy output
 # on the test's prompts (the context exercises what it takes away).
@@ -94,6 +102,11 @@ FAMILIES = {
     "phi3-longrope": ("phi3", {"original_max_position_embeddings": 64,
                                "rope_parameters": rope("longrope", short_factor=SHORT, long_factor=LONG)},
                       [{"rope_parameters": rope()}]),
+    "mixtral": ("mixtral", MIXTRAL, [{"num_experts_per_tok": 1}]),
+    "mixtral-window": ("mixtral", {**MIXTRAL, "sliding_window": W}, [{"sliding_window": None}]),
+    "qwen2_moe": ("qwen2_moe", {**QWEN2_MOE, "norm_topk_prob": False}, [{"norm_topk_prob": True}]),
+    "qwen3_moe": ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True, "use_sliding_window": True, "sliding_window": W},
+                  [{"norm_topk_prob": False}, {"use_sliding_window": False}]),
     "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0},
                [{"layer_types": ALL_FULL}, {"attn_logit_softcapping": None}]),
     "gemma3": ("gemma3_text", {**GEMMA, "layer_types": ALTERNATING, "tie_word_embeddings": False,
@@ -147,7 +160,8 @@ def test_family_greedy_equals_hf_with_speculation_batched(name, hf_greedy):
         assert [hf_greedy(model_of(name, t), p, N, eos=None) for p in PROMPTS] != refs, f"{twin} does not matter here"
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window", "phi3", "qwen2-window"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window", "phi3", "qwen2-window", "mixtral-window",
+                                  "qwen3_moe"])
 def test_family_token_trees_with_sliding_windows_equal_hf(name, hf_greedy):
     """Tree drafts from a truncated self-draft and from one as deep as the target (both through
     the drafter's own tree masks, with earlier nodes in its cache), verified as token trees: the

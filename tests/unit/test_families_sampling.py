@@ -8,13 +8,13 @@ computed from the HF forward: the machinery and thresholds of test_engine.py's
 `test_sampled_distribution_equals_target` (see there: each Pearson p-value > 1e-3). The
 families' distinguishing features sit inside these 8 positions: windows of 4 tokens, Gemma's
 logits soft-capped at 1.5 (a cap greedy decoding cannot see; these
-models' logits reach it), scaled rope. A runner that drops
+models' logits reach it), scaled rope; the MoE families route every position. A runner that drops
 Gemma2's final soft-capping fails the same check."""
 from __future__ import annotations
 
 import pytest
 from test_engine import N_DIST, P_MIN, V_SMALL, exact_law_of, law_pvalues, sample_first_tokens
-from test_families import GEMMA, LLAMA3, family, rope
+from test_families import GEMMA, LLAMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family, rope
 
 from actors.llama import LlamaRunner, linear
 from actors.models import LoadedModel
@@ -30,6 +30,9 @@ CASES = {
                           "final_logit_softcapping": 1.5}),
     "gemma3": ("gemma3_text", {**GEMMA, "sliding_window": SW, "final_logit_softcapping": 1.5,
                                "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "mixtral": ("mixtral", {**MIXTRAL, "sliding_window": SW}),
+    "qwen2_moe": ("qwen2_moe", QWEN2_MOE),
+    "qwen3_moe": ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True}),
 }
 
 

@@ -1,0 +1,93 @@
+"""Mixture-of-experts targets (`actors/moe.py`) beyond the family tests' HF equality.
+
+- A planted routing bug (top-k without the renormalisation Qwen3-MoE's config asks for) parts from
+  HF: the family tests can see it.
+- Expert compute is grouped: one block over a 16-row pass runs the router once and each active
+  expert once (two matmuls), not one loop per token.
+- Exact passes stay row-invariant with experts (bf16 and fp32): a row's logits and KV do not depend
+  on the width of the pass or on the rows beside it (test_exact's check), so speculation leaves
+  greedy output bitwise as it was.
+- What is not served is refused at load, naming what is: other MoE families, int8 experts."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_exact import invariance_failures
+from test_families import FAMILIES, PROMPTS, N, engine, family, model_of, truncated
+
+from actors import moe
+from actors.drafters import NgramDrafter
+from actors.llama import LlamaRunner
+from actors.quant import quantize_runner
+from helpers import request, run
+
+
+def _greedy(model) -> list[list[int]]:
+    eng = engine(model, {"ngram": lambda n: NgramDrafter(), "truncated:2": truncated(model, 2)})
+    out = run(eng, [request(f"r{i}", p, "truncated:2", 3, max_tokens=N, ignore_eos=True)
+                    for i, p in enumerate(PROMPTS)])
+    return [out[f"r{i}"].token_ids for i in range(len(PROMPTS))]
+
+
+def test_top_k_without_the_renormalisation_the_config_asks_for_parts_from_hf(hf_greedy, monkeypatch):
+    model = model_of("qwen3_moe")  # norm_topk_prob: true
+    refs = [hf_greedy(model, p, N, eos=None) for p in PROMPTS]
+    assert _greedy(model) == refs
+    route = moe.MoE.route
+
+    def unnormalised(self, x, linear):
+        self.renormalise = False
+        return route(self, x, linear)
+
+    monkeypatch.setattr(moe.MoE, "route", unnormalised)
+    assert _greedy(model) != refs
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_a_pass_runs_each_active_expert_once_over_all_its_rows(name):
+    runner = LlamaRunner(model_of(name))
+    block = next(w.moe for w in runner.layers if w.moe is not None)
+    calls = []
+
+    def counting(x, w, b=None):
+        calls.append((x.shape[0], w.data_ptr()))
+        return torch.nn.functional.linear(x, w, b)
+
+    h = torch.randn(2, 8, runner.hidden_size)  # 16 rows: 2 sequences x 8 tokens
+    out = block(h, counting, runner.act)
+    ref = block(h, lambda x, w, b=None: torch.nn.functional.linear(x, w, b), runner.act)
+    assert torch.equal(out, ref)
+    _, chosen = block.route(h.reshape(16, -1), torch.nn.functional.linear)
+    active = chosen.unique().numel()
+    shared = 2 if block.shared_gate_up is not None else 0
+    assert len(calls) == 1 + 2 * active + shared  # router, gate/up and down per active expert, shared expert
+    experts = [c for c in calls[1:1 + 2 * active]]
+    assert sum(rows for rows, _ in experts[::2]) == 16 * block.top_k  # every (row, choice) pair, once
+    assert len({ptr for _, ptr in experts}) == 2 * active
+
+
+@pytest.mark.parametrize("name,dtype", [("mixtral", torch.bfloat16), ("qwen2_moe", torch.bfloat16),
+                                        ("qwen2_moe", torch.float32), ("qwen3_moe", torch.float32)])
+def test_exact_moe_passes_are_row_invariant(name, dtype):
+    """Rows routed to an expert together with other rows (wide passes, batches, a tree) compute the
+    bits they compute alone: chosen experts, their weights and the sum over them. In fp32 the same
+    runner without exact passes fails the check (MKL's matmuls: the check can see a lapse). The
+    Qwen2-MoE fp32 case failed while the shared expert's one-row gate was a matmul of its own."""
+    model_type, kw, _ = FAMILIES[name]
+    model = family(model_type, **kw).to(dtype)  # a model of its own: not model_of's
+    if dtype == torch.float32:
+        assert invariance_failures(LlamaRunner(model)) != []
+    assert invariance_failures(LlamaRunner(model).make_exact()) == []
+
+
+def test_unserved_moe_configs_are_refused_naming_what_is_served():
+    import transformers as T
+    from test_families import SMALL
+
+    cfg = T.DeepseekV3Config(**{**SMALL, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                "v_head_dim": 16, "n_group": 1, "topk_group": 1})
+    with pytest.raises(ValueError, match=r"model_type 'deepseek_v3' is not supported .*'mixtral'.*'qwen3_moe'"):
+        LlamaRunner(T.DeepseekV3ForCausalLM(cfg))
+    with pytest.raises(ValueError, match="experts of a mixture-of-experts model are not quantized"):
+        quantize_runner(LlamaRunner(model_of("mixtral")), "int8-weight")
