@@ -41,7 +41,7 @@ test: $(STAMP)
 # truncated drafts and the exact engine's end-to-end greedy test, which choose no CPU path the others do not;
 # test_exact's runner-level check runs the fallbacks' exact kernels: MKL's fp32 plans, per-row SDPA.)
 FALLBACK_TESTS = $(addprefix tests/unit/test_,cpu_paths.py llama.py quant.py cli.py load_memory.py families.py \
-                 eagle_formats.py device.py tune.py drafters.py exact.py)
+                 eagle_formats.py device.py tune.py drafters.py exact.py moe.py)
 FALLBACK_SKIP = -k "not test_the_demo_replicas_start and not test_generate_local_greedy_matches_hf[truncated \
                     and not test_default_engine_speculates"
 test-fallbacks: $(STAMP)

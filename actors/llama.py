@@ -12,6 +12,9 @@ checked against its own `transformers` modeling file (tests/unit/test_families.p
   mixtral,         mixture-of-experts MLPs (`actors.moe`: routing, experts grouped per pass) on
   qwen2_moe,       Mistral's, Qwen2's and Qwen3's attention; Qwen2-MoE's shared expert; dense
   qwen3_moe        layers among the sparse ones where the config has them
+  deepseek_v3      multi-head latent attention over a compressed cache (`actors.mla`), DeepSeek's
+                   grouped sigmoid routing with shared experts, dense first layers
+  glm4_moe         partial rotary, q/k/v bias, optional q/k norms, DeepSeek's routing
   gemma2,          embeddings scaled by sqrt(E), RMSNorm scaling by (1 + weight) (folded into an fp32
   gemma3_text      copy at load), sandwich norms around attention and MLP, query_pre_attn_scalar,
                    GELU (tanh) MLP, alternating sliding and global layers, final logit soft-capping;
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu, kernels
+from .mla import MLA, per_head_linear
 from .moe import MOE_TYPES, MoE
 from .native import NativeWeight
 
@@ -68,6 +72,9 @@ class LayerWeights:
     window: int | None = None  # sliding-window attention: the query at position p sees keys p-window+1 .. p
     rope: int = 0  # which of the runner's RoPE tables (`LlamaRunner.ropes`) this layer rotates with
     moe: MoE | None = None  # a sparse layer's experts (`actors.moe`), in place of w_gate_up and w_down
+    # multi-head latent attention (`actors.mla`): wqkv is then [q_a (or q_proj); kv_a_proj_with_mqa], the
+    # cache one latent vector per position
+    mla: MLA | None = None
 
 
 @dataclass
@@ -111,9 +118,9 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, slots: int, max_len: int, n_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, shared_kv: bool = False):
         self.k = torch.zeros(num_layers, slots, max_len, n_kv, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.v = self.k if shared_kv else torch.zeros_like(self.k)  # MLA: one latent vector is both
         self.lengths = [0] * slots  # python ints: read on every step, never a device sync
         self.max_len = max_len
         self.forked_positions = 0  # positions copied by `fork` so far (all layers, K and V)
@@ -121,6 +128,10 @@ class KVCache:
     @property
     def slots(self) -> int:
         return len(self.lengths)
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """The cache's tensors, each once (MLA's keys are its values)."""
+        return (self.k,) if self.v is self.k else (self.k, self.v)
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll a slot back to its first `length` positions (no recompute, no copy)."""
@@ -135,24 +146,23 @@ class KVCache:
             return
         dst = torch.arange(start, start + len(src), device=self.k.device)
         idx = torch.tensor(src, device=self.k.device) + start
-        self.k[:, slot, dst] = self.k[:, slot, idx]
-        self.v[:, slot, dst] = self.v[:, slot, idx]
+        for c in self._tensors():
+            c[:, slot, dst] = c[:, slot, idx]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot dst becomes src's first n positions, for every layer (prefix caching)."""
-        self.k[:, dst, :n] = self.k[:, src, :n]
-        self.v[:, dst, :n] = self.v[:, src, :n]
+        for c in self._tensors():
+            c[:, dst, :n] = c[:, src, :n]
         self.lengths[dst] = n
 
     def fork(self, src: int, dst: int, prefix: int, tail: list[int]) -> None:
         """Copy-on-fork (a beam that splits): slot dst becomes src's first `prefix` positions
         followed by src's positions prefix + tail[i], for every layer."""
-        self.k[:, dst, :prefix] = self.k[:, src, :prefix]
-        self.v[:, dst, :prefix] = self.v[:, src, :prefix]
-        if tail:
-            idx = torch.tensor(tail, device=self.k.device) + prefix
-            self.k[:, dst, prefix:prefix + len(tail)] = self.k[:, src, idx]
-            self.v[:, dst, prefix:prefix + len(tail)] = self.v[:, src, idx]
+        idx = torch.tensor(tail, device=self.k.device) + prefix
+        for c in self._tensors():
+            c[:, dst, :prefix] = c[:, src, :prefix]
+            if tail:
+                c[:, dst, prefix:prefix + len(tail)] = c[:, src, idx]
         self.lengths[dst] = prefix + len(tail)
         self.forked_positions += prefix + len(tail)
 
@@ -189,6 +199,10 @@ class LlamaRunner:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.rope_dim = self.head_dim  # the dims a head rotates (all but Phi3's partial rotary and MLA)
+        self.mla = hasattr(hf_model.model.layers[0].self_attn, "kv_a_proj_with_mqa")  # DeepSeek-V3
+        if self.mla:  # the cache: one [latent | rotated key] vector per position, read by every head
+            self.n_kv, self.head_dim, self.rope_dim = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
         self.eps = cfg.rms_norm_eps
         total = cfg.num_hidden_layers
         self.num_layers = total if num_layers is None else num_layers
@@ -210,6 +224,8 @@ class LlamaRunner:
         self.act = ACTIVATIONS[act]
         self.rms = _rms_norm_fp32_scale if gemma else _rms_norm  # Gemma: (1 + w), folded, scales in fp32
         self.scaling = float(cfg.query_pre_attn_scalar if gemma else self.head_dim) ** -0.5
+        if self.mla:  # HF's: 1/sqrt(qk_nope + qk_rope dims), times yarn's mscale where it applies
+            self.scaling = float(hf_model.model.layers[0].self_attn.scaling)
         # Gemma2 soft-caps attention logits (cap * tanh(s / cap)); Gemma3's config has the field but
         # its attention never applies it, so neither does this runner.
         self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if model_type == "gemma2" else None
@@ -252,8 +268,8 @@ class LlamaRunner:
 
     def _rope_table(self, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = inv_freq.detach().float().to(self.device)  # [R/2]
-        if 2 * len(inv_freq) != self.head_dim and self.config.model_type not in PARTIAL_ROTARY_TYPES:
-            raise ValueError(f"{self.config.model_type}: a partial rotary ({2 * len(inv_freq)} of {self.head_dim} "
+        if 2 * len(inv_freq) != self.rope_dim and self.config.model_type not in PARTIAL_ROTARY_TYPES:
+            raise ValueError(f"{self.config.model_type}: a partial rotary ({2 * len(inv_freq)} of {self.rope_dim} "
                              f"head dims) is not what its HF attention computes")
         pos = torch.arange(self.max_position, device=self.device, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]  # [P, R/2]
@@ -265,7 +281,12 @@ class LlamaRunner:
         norm = self._norm_weight
         if any(getattr(m, "bias", None) is not None for m in mlp.children()):
             raise ValueError(f"{self.config.model_type}: MLP biases (mlp_bias) are not supported by the fast runner")
-        if hasattr(at, "qkv_proj"):  # Phi3: already fused, in the q, k, v order used here
+        mla = MLA.from_hf(at, self.config) if self.mla else None
+        if mla is not None:
+            if at.kv_a_proj_with_mqa.bias is not None:
+                raise ValueError(f"{self.config.model_type}: attention_bias is not served with MLA by the fast runner")
+            wqkv, bqkv = _fused(at, "weight", [at.q_a_proj if mla.q_rank else at.q_proj, at.kv_a_proj_with_mqa]), None
+        elif hasattr(at, "qkv_proj"):  # Phi3: already fused, in the q, k, v order used here
             wqkv, bqkv = at.qkv_proj.weight.detach(), at.qkv_proj.bias
             bqkv = None if bqkv is None else bqkv.detach()
         else:
@@ -296,6 +317,7 @@ class LlamaRunner:
             window=window,
             rope=rope,
             moe=moe,
+            mla=mla,
         )
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -307,7 +329,8 @@ class LlamaRunner:
                              f"(the model's {self.positions_why})")
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device)
+        return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device,
+                       shared_kv=self.mla)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: list[int], tokens: torch.Tensor | None,
@@ -368,17 +391,22 @@ class LlamaRunner:
         for li, w in enumerate([] if stacked else self.layers):
             cos, sin = ropes[w.rope]
             mask, lo = masks[w.window]
-            kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D]
+            kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D] (MLA: the same tensor)
             if fused:  # RMSNorm + qkv in one call
                 qk, v = w.wqkv(x, norm=fused[li][0], eps=self.eps).view(B, T, H + 2 * Hkv, -1).split([H + Hkv, Hkv], 2)
                 q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)
+            elif w.mla is not None:  # the values are the keys: one cache vector per position
+                q, k = w.mla.pre(self.linear(self.rms(x, w.attn_norm, self.eps), w.wqkv), self.rms, self.eps,
+                                 self.linear, _rope, cos, sin)
+                v = k
             else:
                 q, k, v = self._pre_attn(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, w.q_norm, w.k_norm,
                                          w.hidden_norm)  # [B, T, *, D]
             if w.hidden_norm is not None:
                 x = x[..., x.shape[-1] // 2:]
             kc[slot_idx, positions] = k.to(kc.dtype)
-            vc[slot_idx, positions] = v.to(vc.dtype)
+            if vc is not kc:
+                vc[slot_idx, positions] = v.to(vc.dtype)
             if self.exact:  # [B, T, H * D]: each query row in one order at every width
                 a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
                                       self.scaling, self.attn_softcap, attn_kernel)
@@ -393,6 +421,8 @@ class LlamaRunner:
                     a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
                                               self.attn_softcap)
                 a = a.transpose(1, 2).reshape(B, T, -1)
+            if w.mla is not None:
+                a = w.mla.post(a.to(x.dtype), self.linear)
             if fused:  # output projection + residual, RMSNorm + gate/up, down + residual
                 x = w.wo(a, residual=x)
                 gate, up = w.w_gate_up(x, norm=fused[li][1], eps=self.eps).chunk(2, dim=-1)
@@ -548,7 +578,8 @@ class LlamaRunner:
     def weights(self) -> list[tuple]:
         """Every (weight, bias) this runner's passes multiply by: the layers' projections, the LM head."""
         mlp = [w.moe.weights() if w.moe is not None else [(w.w_gate_up, None), (w.w_down, None)] for w in self.layers]
-        return [wb for w, m in zip(self.layers, mlp) for wb in ((w.wqkv, w.bqkv), (w.wo, w.bo), *m)] + \
+        attn = [w.mla.weights() if w.mla is not None else [] for w in self.layers]
+        return [wb for w, a, m in zip(self.layers, attn, mlp) for wb in ((w.wqkv, w.bqkv), *a, (w.wo, w.bo), *m)] + \
             [(self.lm_head, None)]
 
     def make_exact(self) -> "LlamaRunner":
@@ -563,8 +594,8 @@ class LlamaRunner:
             key = _kind(w, b)
             probed = key + (torch.backends.mkldnn.enabled, torch.get_num_threads())  # which kernel runs it
             if probed not in _PLANS:
-                _PLANS[probed] = kernels.probe_plan(lambda c, w=w, b=b: linear(c, w, b), w.shape[1], w.dtype,
-                                                    self.device)
+                inputs = w.shape[0] * w.shape[2] if len(w.shape) == 3 else w.shape[1]  # a per-head weight: H x K
+                _PLANS[probed] = kernels.probe_plan(lambda c, w=w, b=b: linear(c, w, b), inputs, w.dtype, self.device)
             self.plans[key] = _PLANS[probed]
         self.exact = True
         return self
@@ -593,7 +624,8 @@ class LlamaRunner:
         faster in bf16 at 1-9 tokens, bit-identical to F.linear; in fp32 (MKL without it) up to 5x at
         2+ tokens, where MKL's small-M path costs twice a GEMV, but rounding differs from MKL's in the
         last bits. Costs a second copy of those weights (the model's own stay for other runners that
-        share them: a truncated self-draft, an HF forward). Int8 (torchao) weights are left as they
+        share them: a truncated self-draft, an HF forward); MoE experts and MLA's query projection too
+        (not MLA's per-head absorptions, batched matmuls). Int8 (torchao) weights are left as they
         are. A weight whose dtype's layout this CPU cannot run (`cpu.probe`: prepack-bf16,
         prepack-fp32) stays as it is; `build.with_prepack` refuses an explicit "on" there. No-op on a GPU."""
         if self.device.type != "cpu":
@@ -607,6 +639,10 @@ class LlamaRunner:
         for layer in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 setattr(layer, name, pack(getattr(layer, name)))
+            if layer.moe is not None:
+                layer.moe.repack(pack)
+            if layer.mla is not None:
+                layer.mla.q_b = pack(layer.mla.q_b)
         self.lm_head = pack(self.lm_head)
         self.prepacked = self.lm_head.is_mkldnn or any(w.wqkv.is_mkldnn for w in self.layers)
         return self
@@ -630,7 +666,7 @@ class LlamaRunner:
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", *MOE_TYPES}
 GEMMA_TYPES = {"gemma2", "gemma3_text"}
-PARTIAL_ROTARY_TYPES = {"phi3"}  # families whose HF attention rotates only the first dims of a head
+PARTIAL_ROTARY_TYPES = {"phi3", "glm4_moe"}  # families whose HF attention rotates only the first dims of a head
 # Rope types whose HF frequencies the runner's tables reproduce (see the module docstring for
 # dynamic and longrope); any other is refused at load.
 ROPE_TYPES = {"default", "linear", "llama3", "yarn", "dynamic", "longrope"}
@@ -737,6 +773,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     torch.compile (`LlamaRunner.compile`), whose own kernels take dynamic shapes."""
     if isinstance(w, NativeWeight):  # native weights: the block kernel or ATen's int4, not cached per shape
         return w(x, b)
+    if w.dim() == 3:  # a linear per head (MLA's absorbed projections)
+        return per_head_linear(x, w)
     if not shape_cached(x, w) or torch.compiler.is_compiling():
         return _linear(x, w, b)
     k = x.shape[-1]
@@ -777,7 +815,7 @@ def warm_linears(weights, max_rows: int = ROW_CHUNK) -> int:
         for w, b in weights:
             kind = (type(w), w.is_mkldnn, w.dtype, w.device, tuple(w.shape), b is None)
             rows = [m for m in row_buckets(max_rows) if (kind, m) not in _WARMED]
-            if not rows:
+            if not rows or len(w.shape) != 2:  # (a per-head weight runs batched matmuls, not a linear)
                 continue
             x = torch.zeros(rows[-1], w.shape[-1], dtype=w.dtype, device=w.device)
             if not shape_cached(x, w):

@@ -9,6 +9,10 @@ one pass. The families, each checked against its own `transformers` modeling fil
   qwen2_moe   the same softmax and top-k, renormalised where `norm_topk_prob` says, the weights cast
               to the model's dtype; plus a shared expert (a dense MLP) scaled by sigmoid(its gate)
   qwen3_moe   as qwen2_moe, without the shared expert
+  deepseek_v3, sigmoid scores; experts chosen by score + a bias correction, within the top
+              `topk_group` of `n_group` groups (each group ranked by its two best); weighted by the
+  glm4_moe    chosen scores without the bias, renormalised, times `routed_scaling_factor`; the
+              router in fp32; shared experts (one dense MLP, no gate) added to the routed output
 Dense layers among sparse ones (`mlp_only_layers`, `decoder_sparse_step`) are plain MLPs.
 
 Grouped compute: a pass's B×T rows are routed, the (row, expert) pairs sorted by expert, and each
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MOE_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe"}
+MOE_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe"}
+GROUPED_SIGMOID_TYPES = {"deepseek_v3", "glm4_moe"}  # DeepSeek-V3's router
 
 
 @dataclass
@@ -37,10 +42,18 @@ class MoE:
     top_k: int
     renormalise: bool  # divide the top-k probabilities by their sum
     weights_fp32: bool  # Mixtral scales by the fp32 weights; Qwen casts them to the model's dtype first
-    # [2Is + 1, E]: Qwen2-MoE's shared expert [gate; up] and its sigmoid gate's row, in one matmul (a
+    # [2Is (+ 1), E]: the shared expert's [gate; up], and Qwen2-MoE's sigmoid gate row, in one matmul (a
     # one-row weight alone gets no row-invariant plan from MKL's fp32 kernels)
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None  # [E, Is]
+    shared_gated: bool = False  # the last row of shared_gate_up is a sigmoid gate on the shared expert
+    # DeepSeek-V3's routing (scoring "sigmoid"): the bias added to the scores to choose experts, the
+    # expert groups and how many of them rows choose from, and the factor on the weights
+    scoring: str = "softmax"
+    correction: torch.Tensor | None = None  # [N] fp32
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
     active: int = 0  # experts the last call ran (what the MoE bench reports)
 
     @classmethod
@@ -51,17 +64,27 @@ class MoE:
         if getattr(experts, "has_bias", False) or getattr(gate, "bias", None) is not None:
             raise ValueError(f"{model_type}: expert or router biases are not served by the fast runner")
         n = experts.gate_up_proj.shape[0]
-        shared = getattr(mlp, "shared_expert", None)
+        shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+        shared_gate = getattr(mlp, "shared_expert_gate", None)
+        sigmoid = model_type in GROUPED_SIGMOID_TYPES
+        if sigmoid and n % gate.num_group:
+            raise ValueError(f"{model_type}: {n} experts do not split into n_group {gate.num_group} groups")
         return cls(
-            router=gate.weight.detach(),
+            router=gate.weight.detach().float() if sigmoid else gate.weight.detach(),  # HF: an fp32 router
             gate_up=[experts.gate_up_proj.detach()[e] for e in range(n)],
             down=[experts.down_proj.detach()[e] for e in range(n)],
             top_k=int(gate.top_k),
             renormalise=model_type == "mixtral" or bool(gate.norm_topk_prob),
-            weights_fp32=model_type == "mixtral",
-            shared_gate_up=None if shared is None else fuse(mlp, "weight", [shared.gate_proj, shared.up_proj,
-                                                                           mlp.shared_expert_gate]),
+            weights_fp32=model_type == "mixtral" or sigmoid,
+            shared_gate_up=None if shared is None else fuse(
+                mlp, "weight", [shared.gate_proj, shared.up_proj] + ([shared_gate] if shared_gate is not None else [])),
             shared_down=None if shared is None else shared.down_proj.weight.detach(),
+            shared_gated=shared_gate is not None,
+            scoring="sigmoid" if sigmoid else "softmax",
+            correction=gate.e_score_correction_bias.detach().float() if sigmoid else None,
+            groups=int(gate.num_group) if sigmoid else 1,
+            topk_groups=int(gate.topk_group) if sigmoid else 1,
+            scale=float(gate.routed_scaling_factor) if sigmoid else 1.0,
         )
 
     def weights(self) -> list[tuple]:
@@ -71,13 +94,40 @@ class MoE:
             out += [(self.shared_gate_up, None), (self.shared_down, None)]
         return out
 
+    def repack(self, pack) -> None:
+        """Every weight through pack(w) -> w' (`LlamaRunner.prepack`'s oneDNN layout)."""
+        self.router = pack(self.router)
+        self.gate_up, self.down = [pack(w) for w in self.gate_up], [pack(w) for w in self.down]
+        self.shared_gate_up, self.shared_down = pack(self.shared_gate_up), pack(self.shared_down)
+
     def route(self, x: torch.Tensor, linear) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, E] -> (weights [M, k], experts int64 [M, k]) as HF's router computes them."""
+        if self.scoring == "sigmoid":
+            return self._route_grouped(x, linear)
         probs = F.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # [M, N]
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return (top_w if self.weights_fp32 else top_w.to(x.dtype)), top_i
+
+    def _route_grouped(self, x: torch.Tensor, linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router (see the module docstring)."""
+        # [M, N] fp32. In fp64, rounded once: ATen's vectorised and scalar sigmoid round differently in
+        # fp32, and which one a row meets depends on where it falls in the pass (N experts per row
+        # need not fill whole vectors), so fp32 would make a row's routing depend on the pass's width
+        scores = linear(x.float(), self.router).double().sigmoid().float()
+        choice = scores + self.correction
+        if self.groups > 1:
+            M, N = choice.shape
+            ranked = choice.view(M, self.groups, N // self.groups).topk(2, dim=-1)[0].sum(dim=-1)  # [M, groups]
+            keep = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(self.topk_groups, dim=-1)[1],
+                                                                        True)
+            choice = choice.masked_fill(~keep.repeat_interleave(N // self.groups, dim=1), float("-inf"))
+        top_i = choice.topk(self.top_k, dim=-1)[1]
+        top_w = scores.gather(1, top_i)
+        if self.renormalise:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * self.scale, top_i
 
     def __call__(self, h: torch.Tensor, linear, act) -> torch.Tensor:
         """h [..., E] (after the MLP norm) -> the block's output [..., E]. linear(x, w): the runner's
@@ -102,6 +152,7 @@ class MoE:
             lo += n
         if self.shared_gate_up is not None:
             i = self.shared_down.shape[1]
-            gate, up, g = linear(x, self.shared_gate_up).split([i, i, 1], dim=-1)
-            out = out + torch.sigmoid(g) * linear(act(gate) * up, self.shared_down)
+            gate, up, g = linear(x, self.shared_gate_up).split([i, i, int(self.shared_gated)], dim=-1)
+            shared = linear(act(gate) * up, self.shared_down)
+            out = out + (torch.sigmoid(g) * shared if self.shared_gated else shared)
         return out.view(shape)

@@ -138,9 +138,10 @@ def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(models, monke
 
 
 def test_row_plans_are_found_by_probing_the_kernel():
-    """A kernel whose rows depend on the call's rows past 4 gets chunks of 4; one whose rows depend
-    on the rows at every width but agree at a fixed 8 gets padded 8-row calls; an invariant one
-    any rows; and `apply_plan` computes each row as the plan's calls do."""
+    """A kernel whose rows depend on the call's rows past 4 gets padded 8-row calls (a fixed shape
+    agrees by construction), and chunks of 4 only where padded calls disagree too; one whose rows
+    depend on the rows at every width but agree at a fixed 8 gets padded 8-row calls; an invariant
+    one any rows; and `apply_plan` computes each row as the plan's calls do."""
     w = torch.randn(24, 64)
 
     def rowwise(x):  # each row's dot products on their own: the same bits at any row count
@@ -149,10 +150,18 @@ def test_row_plans_are_found_by_probing_the_kernel():
     def chunky(x):  # rows computed rowwise up to 4 rows, in fp64 beyond (another rounding)
         return rowwise(x) if x.shape[0] <= 4 else (x.double() @ w.T.double()).float()
 
-    plan = kernels.probe_plan(chunky, 64, torch.float32, "cpu")
-    assert plan.chunk == 4 and not plan.pad and not plan.cheap
+    plan = kernels.probe_plan(chunky, 64, torch.float32, "cpu")  # fixed 8-row calls come before 4-row chunks
+    assert (plan.chunk, plan.pad) == (8, 8) and plan.cheap
     x = torch.randn(11, 64)
-    assert torch.equal(kernels.apply_plan(chunky, x, plan), rowwise(x))
+    assert torch.equal(kernels.apply_plan(chunky, x, plan),
+                       torch.cat([chunky(torch.nn.functional.pad(x[i:i + 1], (0, 0, 0, 7)))[:1] for i in range(11)]))
+
+    def no_fixed_size(x):  # rowwise up to 4 rows, but never beside padding rows (zeros)
+        padding = (x == 0).all(-1).sum()
+        return (rowwise(x) if x.shape[0] <= 4 else rowwise(x) * (1 + x.shape[0] * 1e-3)) * (1 + padding * 1e-3)
+    plan = kernels.probe_plan(no_fixed_size, 64, torch.float32, "cpu")
+    assert plan.chunk == 4 and not plan.pad and not plan.cheap
+    assert torch.equal(kernels.apply_plan(no_fixed_size, x, plan), rowwise(x))
 
     def fixed8(x):  # each row's result depends on the call's row count unless it is 8
         return rowwise(x) * (1 + (x.shape[0] != 8) * x.shape[0] * 1e-3)

@@ -9,7 +9,11 @@ RMSNorm), each also with sliding layers, Mistral with and without its sliding wi
 embeddings, (1 + w) and sandwich norms, query_pre_attn_scalar, soft-capping, alternating
 sliding/global layers, Gemma3's q/k norms and local RoPE base), and the mixture-of-experts
 families (Mixtral with and without its window, Qwen2-MoE with its shared expert and a dense layer,
-Qwen3-MoE with renormalised top-k; top-k and renormalisation each have a twin). The engine decodes three prompts
+Qwen3-MoE with renormalised top-k; top-k and renormalisation each have a twin; DeepSeek-V3 with
+multi-head latent attention over its compressed cache, with and without a query LoRA, its dense
+first layer, shared expert and grouped routing with its bias correction, the interleaved RoPE and
+the expert groups each with a twin; GLM-4.5's MoE with its partial rotary, q/k/v bias and q/k norms,
+on DeepSeek's routing). The engine decodes three prompts
 in one batch with speculation on (n-gram and a truncated self-draft, both through rollback), and
 every greedy output equals HF `generate` (fp32). Where a family's feature could go unnoticed, a
 twin model without it (same weights) must give HF another output on the same prompts: the
@@ -37,7 +41,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM")}
 
 
 def family(model_type: str, **kw):
@@ -55,6 +60,9 @@ def family(model_type: str, **kw):
                 p.normal_(0.0, 0.05)
             else:  # norm weights off their init (1; Gemma's 0), so a runner that misreads one fails
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias (0 at init): one that matters
+                b.normal_(0.0, 0.1)
     return model.float().eval()
 
 
@@ -76,6 +84,13 @@ MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
 QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                  mlp_only_layers=[1])  # a dense layer among the sparse ones
 QWEN3_MOE = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=2)
+# DeepSeek-V3: MLA (q and kv LoRA ranks, split no-RoPE/RoPE head dims), a dense first layer, a shared expert,
+# 8 routed experts in 4 groups of which rows choose from 2
+DEEPSEEK = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4,
+                topk_group=2, first_k_dense_replace=1, n_shared_experts=1)
+GLM4_MOE = dict(head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                topk_group=1, first_k_dense_replace=1, n_shared_experts=1, attention_bias=True)
 
 # name -> (model_type, config, twins): each twin is a config change that must change HF's greedy output
 # on the test's prompts (the context exercises what it takes away).
@@ -107,6 +122,10 @@ FAMILIES = {
     "qwen2_moe": ("qwen2_moe", {**QWEN2_MOE, "norm_topk_prob": False}, [{"norm_topk_prob": True}]),
     "qwen3_moe": ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True, "use_sliding_window": True, "sliding_window": W},
                   [{"norm_topk_prob": False}, {"use_sliding_window": False}]),
+    "deepseek_v3": ("deepseek_v3", DEEPSEEK, [{"rope_interleave": False}, {"topk_group": 4}]),
+    "deepseek_v3-no-q-lora": ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": None}, []),
+    "glm4_moe": ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True}, [{"rope_parameters": rope(partial_rotary_factor=1.0)},
+                                                                {"use_qk_norm": False}]),
     "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0},
                [{"layer_types": ALL_FULL}, {"attn_logit_softcapping": None}]),
     "gemma3": ("gemma3_text", {**GEMMA, "layer_types": ALTERNATING, "tie_word_embeddings": False,
@@ -161,7 +180,7 @@ def test_family_greedy_equals_hf_with_speculation_batched(name, hf_greedy):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window", "phi3", "qwen2-window", "mixtral-window",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_family_token_trees_with_sliding_windows_equal_hf(name, hf_greedy):
     """Tree drafts from a truncated self-draft and from one as deep as the target (both through
     the drafter's own tree masks, with earlier nodes in its cache), verified as token trees: the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from test_engine import N_DIST, P_MIN, V_SMALL, exact_law_of, law_pvalues, sample_first_tokens
-from test_families import GEMMA, LLAMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family, rope
+from test_families import DEEPSEEK, GEMMA, GLM4_MOE, LLAMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family, rope
 
 from actors.llama import LlamaRunner, linear
 from actors.models import LoadedModel
@@ -33,6 +33,8 @@ CASES = {
     "mixtral": ("mixtral", {**MIXTRAL, "sliding_window": SW}),
     "qwen2_moe": ("qwen2_moe", QWEN2_MOE),
     "qwen3_moe": ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True}),
+    "deepseek_v3": ("deepseek_v3", DEEPSEEK),
+    "glm4_moe": ("glm4_moe", GLM4_MOE),
 }
 
 
