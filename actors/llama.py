@@ -15,6 +15,8 @@ checked against its own `transformers` modeling file (tests/unit/test_families.p
   deepseek_v3      multi-head latent attention over a compressed cache (`actors.mla`), DeepSeek's
                    grouped sigmoid routing with shared experts, dense first layers
   glm4_moe         partial rotary, q/k/v bias, optional q/k norms, DeepSeek's routing
+  gpt_oss          attention sinks, alternating sliding and full layers, q/k/v/o bias, top-k-then-softmax
+                   routing with a router bias, clamped SwiGLU experts with biases (`actors.moe`)
   gemma2,          embeddings scaled by sqrt(E), RMSNorm scaling by (1 + weight) (folded into an fp32
   gemma3_text      copy at load), sandwich norms around attention and MLP, query_pre_attn_scalar,
                    GELU (tanh) MLP, alternating sliding and global layers, final logit soft-capping;
@@ -75,6 +77,7 @@ class LayerWeights:
     # multi-head latent attention (`actors.mla`): wqkv is then [q_a (or q_proj); kv_a_proj_with_mqa], the
     # cache one latent vector per position
     mla: MLA | None = None
+    sinks: torch.Tensor | None = None  # [H]: gpt-oss's attention sink logit per query head
 
 
 @dataclass
@@ -279,7 +282,7 @@ class LlamaRunner:
     def _fuse(self, layer, window: int | None, rope: int) -> LayerWeights:
         at, mlp = layer.self_attn, layer.mlp
         norm = self._norm_weight
-        if any(getattr(m, "bias", None) is not None for m in mlp.children()):
+        if not hasattr(mlp, "experts") and any(getattr(m, "bias", None) is not None for m in mlp.children()):
             raise ValueError(f"{self.config.model_type}: MLP biases (mlp_bias) are not supported by the fast runner")
         mla = MLA.from_hf(at, self.config) if self.mla else None
         if mla is not None:
@@ -318,6 +321,7 @@ class LlamaRunner:
             rope=rope,
             moe=moe,
             mla=mla,
+            sinks=None if getattr(at, "sinks", None) is None else at.sinks.detach(),
         )
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -409,17 +413,17 @@ class LlamaRunner:
                 vc[slot_idx, positions] = v.to(vc.dtype)
             if self.exact:  # [B, T, H * D]: each query row in one order at every width
                 a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
-                                      self.scaling, self.attn_softcap, attn_kernel)
+                                      self.scaling, self.attn_softcap, attn_kernel, w.sinks)
             else:
                 keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
                 vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
                 q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
-                if self.attn_softcap is None:
+                if self.attn_softcap is None and w.sinks is None:
                     a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
                                                        scale=self.scaling, enable_gqa=Hkv != H)  # [B, H, T, D]
                 else:
-                    a = _softcapped_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
-                                              self.attn_softcap)
+                    a = _eager_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scaling,
+                                         self.attn_softcap, w.sinks)
                 a = a.transpose(1, 2).reshape(B, T, -1)
             if w.mla is not None:
                 a = w.mla.post(a.to(x.dtype), self.linear)
@@ -880,20 +884,28 @@ def _fold_one(w: torch.Tensor) -> torch.Tensor:
     return 1.0 + w.detach().float()
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          scale: float, cap: float) -> torch.Tensor:
-    """Gemma2's eager attention, which SDPA cannot do: softmax(cap * tanh(q k^T * scale / cap)) v.
-    q [B, H, T, D]; k, v [B, Hkv, S, D] (query head h reads key head h // (H / Hkv), grouped here
-    rather than by copying K and V per query head); mask bool [B, 1, T, S] or None. Returns
-    [B, H, T, D]."""
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention SDPA cannot do: Gemma2's softmax(cap * tanh(q k^T * scale / cap)) v, and gpt-oss's
+    attention sinks (a learned logit per head joins each query's softmax, and its share is dropped:
+    softmax([scores, sink])[:-1] v, as HF's eager attention computes it). q [B, H, T, D]; k, v
+    [B, Hkv, S, D] (query head h reads key head h // (H / Hkv), grouped here rather than by copying
+    K and V per query head); mask bool [B, 1, T, S] or None; sinks [H]. Returns [B, H, T, D]."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     s = torch.matmul(q.reshape(B, Hkv, H // Hkv * T, D), k.transpose(2, 3)) * scale  # [B, Hkv, rep * T, S]
-    s = (torch.tanh(s / cap) * cap).view(B, Hkv, H // Hkv, T, S)
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
+    s = s.view(B, Hkv, H // Hkv, T, S)
     if mask is not None:
         s = s.masked_fill(~mask[:, :, None], float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(B, Hkv, H // Hkv * T, S)
-    return torch.matmul(p, v).view(B, H, T, D)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, Hkv, H // Hkv, 1, 1).expand(B, -1, -1, T, 1)], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        p = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1].to(q.dtype)
+    return torch.matmul(p.reshape(B, Hkv, H // Hkv * T, S), v).view(B, H, T, D)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

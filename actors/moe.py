@@ -13,6 +13,10 @@ one pass. The families, each checked against its own `transformers` modeling fil
               `topk_group` of `n_group` groups (each group ranked by its two best); weighted by the
   glm4_moe    chosen scores without the bias, renormalised, times `routed_scaling_factor`; the
               router in fp32; shared experts (one dense MLP, no gate) added to the routed output
+  gpt_oss     a router with a bias; top-k of its logits, then softmax over those k (in the model's
+              dtype); experts with biases, stored transposed with gate and up interleaved (copied
+              here as [gate; up] rows: twice the experts' memory while the HF model lives), and a
+              clamped SwiGLU: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit)
 Dense layers among sparse ones (`mlp_only_layers`, `decoder_sparse_step`) are plain MLPs.
 
 Grouped compute: a pass's B×T rows are routed, the (row, expert) pairs sorted by expert, and each
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MOE_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe"}
+MOE_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
 GROUPED_SIGMOID_TYPES = {"deepseek_v3", "glm4_moe"}  # DeepSeek-V3's router
 
 
@@ -54,12 +58,19 @@ class MoE:
     groups: int = 1
     topk_groups: int = 1
     scale: float = 1.0
+    # gpt-oss: biases (router [N], experts N × [2I] and N × [E]) and the clamped SwiGLU's alpha and limit
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: list[torch.Tensor] | None = None
+    down_bias: list[torch.Tensor] | None = None
+    clamp: tuple[float, float] | None = None
     active: int = 0  # experts the last call ran (what the MoE bench reports)
 
     @classmethod
     def from_hf(cls, mlp, model_type: str, fuse) -> "MoE":
         """The sparse block `mlp` of a `model_type` layer; fuse(owner, attr, linears): the runner's
         `_fused` (the shared expert's gate, up and gate row as one weight, shared with the HF module)."""
+        if model_type == "gpt_oss":
+            return cls._from_gpt_oss(mlp)
         experts, gate = mlp.experts, mlp.gate
         if getattr(experts, "has_bias", False) or getattr(gate, "bias", None) is not None:
             raise ValueError(f"{model_type}: expert or router biases are not served by the fast runner")
@@ -87,12 +98,36 @@ class MoE:
             scale=float(gate.routed_scaling_factor) if sigmoid else 1.0,
         )
 
+    @classmethod
+    def _from_gpt_oss(cls, mlp) -> "MoE":
+        ex, router = mlp.experts, mlp.router
+        n = ex.gate_up_proj.shape[0]
+
+        def gate_then_up(t: torch.Tensor) -> torch.Tensor:  # interleaved [g0, u0, g1, u1, ...] -> [g; u]
+            return torch.cat([t[0::2], t[1::2]]).contiguous()
+        return cls(
+            router=router.weight.detach(), router_bias=router.bias.detach(),
+            gate_up=[gate_then_up(ex.gate_up_proj.detach()[e].T) for e in range(n)],
+            gate_up_bias=[gate_then_up(ex.gate_up_proj_bias.detach()[e]) for e in range(n)],
+            down=[ex.down_proj.detach()[e].T.contiguous() for e in range(n)],
+            down_bias=[ex.down_proj_bias.detach()[e] for e in range(n)],
+            top_k=int(router.top_k), renormalise=False, weights_fp32=False, scoring="topk-softmax",
+            clamp=(float(ex.alpha), float(ex.limit)))
+
     def weights(self) -> list[tuple]:
         """Every (weight, bias) this block multiplies by."""
-        out = [(self.router, None), *((w, None) for w in self.gate_up), *((w, None) for w in self.down)]
+        out = [(self.router, self.router_bias), *zip(self.gate_up, self.gate_up_bias or [None] * len(self.gate_up)),
+               *zip(self.down, self.down_bias or [None] * len(self.down))]
         if self.shared_gate_up is not None:
             out += [(self.shared_gate_up, None), (self.shared_down, None)]
         return out
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor, act) -> torch.Tensor:
+        if self.clamp is None:
+            return act(gate) * up
+        alpha, limit = self.clamp
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
     def repack(self, pack) -> None:
         """Every weight through pack(w) -> w' (`LlamaRunner.prepack`'s oneDNN layout)."""
@@ -104,6 +139,9 @@ class MoE:
         """x [M, E] -> (weights [M, k], experts int64 [M, k]) as HF's router computes them."""
         if self.scoring == "sigmoid":
             return self._route_grouped(x, linear)
+        if self.scoring == "topk-softmax":  # gpt-oss: the k best logits, then their softmax
+            top_v, top_i = torch.topk(linear(x, self.router, self.router_bias), self.top_k, dim=-1)
+            return F.softmax(top_v, dim=-1, dtype=top_v.dtype), top_i
         probs = F.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # [M, N]
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
@@ -146,13 +184,14 @@ class MoE:
             if not n:
                 continue
             idx = rows[lo:lo + n]
-            gate, up = linear(x[idx], self.gate_up[e]).chunk(2, dim=-1)
-            y = linear(act(gate) * up, self.down[e]) * weights[lo:lo + n, None]
+            gate, up = linear(x[idx], self.gate_up[e], self.gate_up_bias and self.gate_up_bias[e]).chunk(2, dim=-1)
+            y = linear(self._glu(gate, up, act), self.down[e], self.down_bias and self.down_bias[e])
+            y = y * weights[lo:lo + n, None]
             out.index_add_(0, idx, y.to(out.dtype))
             lo += n
         if self.shared_gate_up is not None:
             i = self.shared_down.shape[1]
             gate, up, g = linear(x, self.shared_gate_up).split([i, i, int(self.shared_gated)], dim=-1)
-            shared = linear(act(gate) * up, self.shared_down)
+            shared = linear(self._glu(gate, up, act), self.shared_down)
             out = out + (torch.sigmoid(g) * shared if self.shared_gated else shared)
         return out.view(shape)

@@ -229,16 +229,18 @@ def amx_trial() -> None:
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-              lo: int, end: int, scale: float, softcap: float | None = None, compiled: bool = True) -> torch.Tensor:
+              lo: int, end: int, scale: float, softcap: float | None = None, compiled: bool = True,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Each query row over its visible keys, in one order at every width.
     q [B, T, H, D]; kc, vc [S, L, Hkv, D] (one layer's cache); slots int64 [B]; mask bool [B, T, end - lo]
     or None (every key in [lo, end) visible); compiled: whether the kernel may run (the caller's
-    `cpu.available("attn-kernel")`). Returns [B, T, H * D] in kc's dtype."""
+    `cpu.available("attn-kernel")`); sinks [H]: gpt-oss's sink logits (per row, not in the kernel).
+    Returns [B, T, H * D] in kc's dtype."""
     q = q.to(kc.dtype)
-    if compiled and kc.device.type == "cpu" and kc.dtype == torch.float32:
+    if compiled and kc.device.type == "cpu" and kc.dtype == torch.float32 and sinks is None:
         m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
         return extension().attend(q, kc, vc, slots, m, lo, end, scale, softcap or 0.0)
-    return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap)
+    return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap, sinks)
 
 
 @functools.cache
@@ -247,10 +249,10 @@ def attend_rope_address() -> int:
     return extension().attend_rope_address()
 
 
-def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None) -> torch.Tensor:
+def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None, sinks=None) -> torch.Tensor:
     """`attention` as one SDPA call per query row over exactly its visible keys, gathered into a
     fresh [1, Hkv, n, D] block: the same call (shapes, strides, values) for a row at every width.
-    (Gemma2's soft-capped scores: the eager softmax over them, also per row.)"""
+    (Gemma2's soft-capped scores and gpt-oss's sinks: the eager softmax over them, also per row.)"""
     B, T, H, D = q.shape
     Hkv = kc.shape[2]
     out = q.new_empty(B, T, H * D)
@@ -262,7 +264,12 @@ def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None) -> t
             k = kc[slot].index_select(0, idx).transpose(0, 1)[None]  # [1, Hkv, n, D]
             v = vc[slot].index_select(0, idx).transpose(0, 1)[None]
             qr = q[b, t][None, :, None, :]  # [1, H, 1, D]
-            if softcap:
+            if sinks is not None:
+                s = torch.matmul(qr.reshape(1, Hkv, H // Hkv, D), k.transpose(2, 3)) * scale
+                s = torch.cat([s, sinks.to(s.dtype).view(1, Hkv, H // Hkv, 1)], dim=-1)
+                p = torch.softmax(s - s.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+                a = torch.matmul(p, v)
+            elif softcap:
                 s = torch.matmul(qr.reshape(1, Hkv, H // Hkv, D), k.transpose(2, 3)) * scale
                 p = torch.softmax(torch.tanh(s / softcap) * softcap, dim=-1, dtype=torch.float32).to(q.dtype)
                 a = torch.matmul(p, v)

@@ -118,7 +118,7 @@ def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(models, monke
     alone), or bf16 matmuls called without their row plans, part from the single-token passes."""
     runner = _runner(models, "fp32+prepacked" if cpu.available("prepack-fp32") else "fp32")
 
-    def sdpa(q, kc, vc, slots, mask, lo, end, scale, softcap=None, compiled=True):  # the ordinary path
+    def sdpa(q, kc, vc, slots, mask, lo, end, scale, softcap=None, compiled=True, sinks=None):  # the ordinary path
         keys, vals = kc[slots, lo:end].transpose(1, 2), vc[slots, lo:end].transpose(1, 2)
         a = torch.nn.functional.scaled_dot_product_attention(
             q.to(kc.dtype).transpose(1, 2), keys, vals, attn_mask=None if mask is None else mask[:, None],

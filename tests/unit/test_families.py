@@ -13,7 +13,8 @@ Qwen3-MoE with renormalised top-k; top-k and renormalisation each have a twin; D
 multi-head latent attention over its compressed cache, with and without a query LoRA, its dense
 first layer, shared expert and grouped routing with its bias correction, the interleaved RoPE and
 the expert groups each with a twin; GLM-4.5's MoE with its partial rotary, q/k/v bias and q/k norms,
-on DeepSeek's routing). The engine decodes three prompts
+on DeepSeek's routing; gpt-oss with its attention sinks, alternating sliding and full layers and clamped
+SwiGLU experts with biases, the window and the clamp each with a twin). The engine decodes three prompts
 in one batch with speculation on (n-gram and a truncated self-draft, both through rollback), and
 every greedy output equals HF `generate` (fp32). Where a family's feature could go unnoticed, a
 twin model without it (same weights) must give HF another output on the same prompts: the
@@ -42,7 +43,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM")}
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 
 
 def family(model_type: str, **kw):
@@ -91,6 +93,12 @@ DEEPSEEK = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_rope_
                 topk_group=2, first_k_dense_replace=1, n_shared_experts=1)
 GLM4_MOE = dict(head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                 topk_group=1, first_k_dense_replace=1, n_shared_experts=1, attention_bias=True)
+# gpt-oss: sinks, sliding and full layers alternating, yarn RoPE, 4 experts with biases and the clamped SwiGLU
+# (intermediate 64: a row of its elementwise ops fills whole vectors, see actors/moe.py)
+GPT_OSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=W,
+               attention_bias=True, swiglu_limit=0.5,
+               rope_parameters=rope("yarn", 150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                    original_max_position_embeddings=64))
 
 # name -> (model_type, config, twins): each twin is a config change that must change HF's greedy output
 # on the test's prompts (the context exercises what it takes away).
@@ -124,6 +132,7 @@ FAMILIES = {
                   [{"norm_topk_prob": False}, {"use_sliding_window": False}]),
     "deepseek_v3": ("deepseek_v3", DEEPSEEK, [{"rope_interleave": False}, {"topk_group": 4}]),
     "deepseek_v3-no-q-lora": ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": None}, []),
+    "gpt_oss": ("gpt_oss", GPT_OSS, [{"layer_types": ALL_FULL}, {"swiglu_limit": 7.0}]),
     "glm4_moe": ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True}, [{"rope_parameters": rope(partial_rotary_factor=1.0)},
                                                                 {"use_qk_norm": False}]),
     "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0},
@@ -180,7 +189,7 @@ def test_family_greedy_equals_hf_with_speculation_batched(name, hf_greedy):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window", "phi3", "qwen2-window", "mixtral-window",
-                                  "qwen3_moe", "deepseek_v3", "glm4_moe"])
+                                  "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_family_token_trees_with_sliding_windows_equal_hf(name, hf_greedy):
     """Tree drafts from a truncated self-draft and from one as deep as the target (both through
     the drafter's own tree masks, with earlier nodes in its cache), verified as token trees: the

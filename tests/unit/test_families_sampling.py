@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from test_engine import N_DIST, P_MIN, V_SMALL, exact_law_of, law_pvalues, sample_first_tokens
-from test_families import DEEPSEEK, GEMMA, GLM4_MOE, LLAMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family, rope
+from test_families import DEEPSEEK, GEMMA, GLM4_MOE, GPT_OSS, LLAMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, family, rope
 
 from actors.llama import LlamaRunner, linear
 from actors.models import LoadedModel
@@ -35,6 +35,7 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True}),
     "deepseek_v3": ("deepseek_v3", DEEPSEEK),
     "glm4_moe": ("glm4_moe", GLM4_MOE),
+    "gpt_oss": ("gpt_oss", {**GPT_OSS, "sliding_window": SW}),
 }
 
 

@@ -3,7 +3,8 @@ HF equality.
 
 - Planted bugs part from HF, so the family tests can see them: top-k without the renormalisation
   Qwen3-MoE's config asks for; DeepSeek-V3's routing without its bias correction; MLA rotating its
-  RoPE dims as halves where DeepSeek interleaves them, or caching its shared key part unrotated.
+  RoPE dims as halves where DeepSeek interleaves them, or caching its shared key part unrotated;
+  gpt-oss attending without its sinks.
 - Expert compute is grouped: one block over a 16-row pass runs the router once and each active
   expert once (two matmuls), not one loop per token.
 - Exact passes stay row-invariant with experts (bf16 and fp32): a row's logits and KV do not depend
@@ -70,7 +71,17 @@ def test_deepseek_routing_and_mla_bugs_part_from_hf(hf_greedy, monkeypatch, bug)
     assert _greedy(model) != refs
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_gpt_oss_without_its_attention_sinks_parts_from_hf(hf_greedy):
+    model = model_of("gpt_oss")
+    refs = [hf_greedy(model, p, N, eos=None) for p in PROMPTS]
+    eng = engine(model, {"truncated:2": truncated(model, 2)})
+    for w in eng.target.layers:
+        w.sinks = None
+    out = run(eng, [request(f"r{i}", p, "truncated:2", 3, max_tokens=N, ignore_eos=True) for i, p in enumerate(PROMPTS)])
+    assert [out[f"r{i}"].token_ids for i in range(len(PROMPTS))] != refs
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_a_pass_runs_each_active_expert_once_over_all_its_rows(name):
     runner = LlamaRunner(model_of(name))
     block = next(w.moe for w in runner.layers if w.moe is not None)
@@ -96,7 +107,8 @@ def test_a_pass_runs_each_active_expert_once_over_all_its_rows(name):
 @pytest.mark.parametrize("name,dtype", [("mixtral", torch.bfloat16), ("qwen2_moe", torch.bfloat16),
                                         ("qwen2_moe", torch.float32), ("qwen3_moe", torch.float32),
                                         ("deepseek_v3", torch.bfloat16), ("deepseek_v3", torch.float32),
-                                        ("glm4_moe", torch.float32)])
+                                        ("glm4_moe", torch.float32), ("gpt_oss", torch.bfloat16),
+                                        ("gpt_oss", torch.float32)])
 def test_exact_moe_passes_are_row_invariant(name, dtype):
     """Rows routed to an expert together with other rows (wide passes, batches, a tree) compute the
     bits they compute alone: chosen experts, their weights and the sum over them. bf16 in the layout
@@ -122,11 +134,19 @@ def test_exact_moe_passes_are_row_invariant(name, dtype):
 
 
 def test_unserved_moe_configs_are_refused_naming_what_is_served():
+    """Qwen3-Next (hybrid linear attention, a recurrent state that rollback would have to restore) is
+    refused naming the families served; so is a DeepSeek router whose experts do not split into its
+    groups, and int8 experts."""
     import transformers as T
-    from test_families import SMALL
+    from test_families import DEEPSEEK, SMALL
 
-    cfg = T.GptOssConfig(**{**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16})
-    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' is not supported .*'deepseek_v3'.*'mixtral'"):
-        LlamaRunner(T.GptOssForCausalLM(cfg))
+    cfg = T.Qwen3NextConfig(**{**SMALL, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 16})
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next' is not supported .*'deepseek_v3'.*'gpt_oss'"):
+        LlamaRunner(T.Qwen3NextForCausalLM(cfg))
+    ds = family("deepseek_v3", **DEEPSEEK)
+    for layer in ds.model.layers[1:]:
+        layer.mlp.gate.num_group = 3
+    with pytest.raises(ValueError, match="8 experts do not split into n_group 3 groups"):
+        LlamaRunner(ds)
     with pytest.raises(ValueError, match="experts of a mixture-of-experts model are not quantized"):
         quantize_runner(LlamaRunner(model_of("mixtral")), "int8-weight")
