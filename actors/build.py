@@ -75,6 +75,9 @@ def draft_meta(spec: str, target_name: str = EMBEDDED_NAME) -> dict | None:
     """The metadata of a `specd distill` checkpoint or of a published EAGLE head (kind "eagle", its
     "format": `drafters.eagle_formats.published_meta`), or None for other specs (and for a hub id not in
     reach here: loading it names what is missing)."""
+    from .drafters import mtp
+    if spec == mtp.SPEC:  # the target's own MTP layer: a feature head reading its final hidden state
+        return dict(mtp.META)
     try:
         path = Path(resolve_draft(for_target(spec, target_name), target_name)) / DRAFT_META
     except (ValueError, FileNotFoundError):
@@ -218,6 +221,9 @@ def make_drafter(spec: str, target: LoadedModel, max_batch: int, max_len: int,
             raise ValueError(f"draft {spec!r}: truncated:K needs an integer K") from None
         d = ModelDrafter.truncated(target.model, k, max_batch=max_batch, max_len=max_len)
         return d
+    if spec == "mtp":
+        from .drafters.mtp import load_mtp
+        return load_mtp(target, max_batch, max_len)
     if for_target(spec, target.name) != spec:  # 'default' where no head ships: e.g. the shipped config, another model
         log.warning("specd: no default draft ships for target %r: draft 'default' drafts n-grams instead "
                     "(train a head with `specd distill`)", target.name)

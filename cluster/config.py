@@ -241,10 +241,14 @@ class VllmSpeculativeConfig(_Strict):
       eagle        the head at `model` (EAGLE-1/2)       the same
       eagle3       the head at `model` (EAGLE-3)         the same
       draft_model  the draft model at `model`            the same
+      mtp,         the target's own MTP layer (`--draft     the same
+      deepseek_mtp mtp`, actors/drafters/mtp.py); `model`,
+                   where given, is the target (vLLM's
+                   older name for DeepSeek)
 
     The draft is named after the method and runs colocated; it becomes router.default_draft
     unless the config names another. Other vLLM keys are refused by name."""
-    method: Literal["ngram", "eagle", "eagle3", "draft_model"]
+    method: Literal["ngram", "eagle", "eagle3", "draft_model", "mtp", "deepseek_mtp"]
     model: str | None = Field(None, description="the draft's directory or hub id (every method but ngram)")
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_GAMMA)
     prompt_lookup_max: int | None = Field(None, ge=1)
@@ -252,7 +256,10 @@ class VllmSpeculativeConfig(_Strict):
 
     @model_validator(mode="after")
     def _fields(self):
-        if self.method == "ngram":
+        if self.method in ("mtp", "deepseek_mtp"):
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("speculative_config: prompt_lookup_min/max apply to method 'ngram' only")
+        elif self.method == "ngram":
             if self.model is not None:
                 raise ValueError("speculative_config: method 'ngram' takes no model")
             if self.min_n > self.max_n:
@@ -275,9 +282,10 @@ class VllmSpeculativeConfig(_Strict):
 
     def draft(self) -> dict:
         """The draft this maps to, as a `drafts:` entry."""
-        spec = f"ngram:{self.min_n}-{self.max_n}" if self.method == "ngram" else self.model
+        mtp = self.method in ("mtp", "deepseek_mtp")
+        spec = f"ngram:{self.min_n}-{self.max_n}" if self.method == "ngram" else "mtp" if mtp else self.model
         gamma = "auto" if self.num_speculative_tokens is None else self.num_speculative_tokens
-        return {"name": self.method, "spec": spec, "placement": "colocated", "default_gamma": gamma}
+        return {"name": "mtp" if mtp else self.method, "spec": spec, "placement": "colocated", "default_gamma": gamma}
 
 
 class ClusterConfig(_Strict):

@@ -61,7 +61,7 @@ from ..llama import LlamaRunner, _rms_norm, linear
 from .eagle import META_FILE, FeatureDrafter
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-FORMATS = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1/2"}
+FORMATS = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1/2", "mtp": "MTP"}  # mtp: the target's own layer (`mtp.py`)
 _NAMED = {"eagle3": ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d"),
           "eagle1": ("fc.weight", "fc.bias", "embed_tokens.weight")}
 
@@ -161,7 +161,7 @@ def published_meta(path: str | Path) -> dict | None:
 @dataclass
 class PublishedHead:
     """A published head's weights in the target's dtype, laid out for the fast runner."""
-    format: str  # "eagle3" | "eagle1"
+    format: str  # "eagle3" | "eagle1" | "mtp"
     shell: nn.Module  # a llama of its decoder layer(s) (layer 0's q/k/v read 2E for EAGLE-3) and R-row LM head
     embed: torch.Tensor  # [V, E]
     features: tuple[int, ...]  # the target features it reads (`aux_layers`)
@@ -171,7 +171,11 @@ class PublishedHead:
     fuse: torch.Tensor | None = None  # EAGLE-3's fc [E, F E_t] over the concatenated target features
     fuse_bias: torch.Tensor | None = None
     hidden_norm: torch.Tensor | None = None  # EAGLE-3: [E], the feature half's norm in layer 0
-    final_norm: torch.Tensor | None = None  # EAGLE-3: [E], applied for the logits only
+    final_norm: torch.Tensor | None = None  # EAGLE-3 (MTP's shared_head.norm): [E], applied for the logits only
+    # MTP (`mtp.py`): eh_proj [E, 2E] over [enorm(embedding) | hnorm(feature)]
+    enorm: torch.Tensor | None = None
+    hnorm: torch.Tensor | None = None
+    eh_proj: torch.Tensor | None = None
 
 
 def read_published(path: str | Path, target_hf) -> PublishedHead:
@@ -318,7 +322,7 @@ class HeadRunner(LlamaRunner):
         self.final_norm = head.final_norm
         if head.format == "eagle3":
             self.layers[0].hidden_norm = head.hidden_norm  # attention reads [norm(embedding) | norm(feature)]
-        else:
+        elif head.format == "eagle1":
             self.layers[0].attn_norm = None  # EAGLE-1's layer 0 has no input norm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -341,6 +345,7 @@ class PublishedEagleDrafter(FeatureDrafter):
         self.embed = head.embed  # [V, E]
         self.fc, self.fc_bias = head.fc, head.fc_bias
         self.fuse, self.fuse_bias = head.fuse, head.fuse_bias
+        self.enorm, self.hnorm, self.eh_proj = head.enorm, head.hnorm, head.eh_proj
 
     def fused(self, hidden: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: fc over the concatenated target layers [n, F E_t] -> [n, E]; EAGLE-1: as is."""
@@ -348,13 +353,18 @@ class PublishedEagleDrafter(FeatureDrafter):
 
     def _inputs(self, tok: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: [embed(tok) | prev] ([..., 2E], normalised halves inside layer 0); EAGLE-1:
-        fc([embed(tok) | prev]) ([..., E])."""
+        fc([embed(tok) | prev]) ([..., E]); MTP: eh_proj([enorm(embed(tok)) | hnorm(prev)])."""
         e = F.embedding(tok, self.embed)
+        if self.eh_proj is not None:
+            eps = self.runner.eps
+            x = torch.cat([_rms_norm(e, self.enorm, eps), _rms_norm(prev.to(e.dtype), self.hnorm, eps)], -1)
+            return linear(x, self.eh_proj)
         x = torch.cat([e, prev.to(e.dtype)], -1)
         return x if self.fc is None else linear(x, self.fc, self.fc_bias)
 
     def _own_linears(self) -> list:
-        return [(w, b) for w, b in ((self.fc, self.fc_bias), (self.fuse, self.fuse_bias)) if w is not None]
+        return [(w, b) for w, b in ((self.fc, self.fc_bias), (self.fuse, self.fuse_bias), (self.eh_proj, None))
+                if w is not None]
 
 
 def load_published(path: str | Path, target, max_batch: int = 8, max_len: int = 2048) -> PublishedEagleDrafter:

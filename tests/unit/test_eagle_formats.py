@@ -67,10 +67,11 @@ def _layer(g, prefix, E, in_dim, H, Hkv, D, I, input_norm=True, qkv_bias=False):
     return sd
 
 
-def write_eagle3(path, seed=0, E=48, ids=("vllm", [1, 2, 3]), own_embed=True, fc_bias=False):
-    """A SpecForge-layout EAGLE-3 head for the tiny target: E may differ from the target's (then it
-    ships its embedding); ids: ("vllm", top-level ids: the state entering layer j) or ("specforge",
-    eagle_config ids: the output of layer j). Returns (config, state dict)."""
+def write_eagle3(path, seed=0, E=48, ids=("vllm", [1, 2, 3]), own_embed=True, fc_bias=False, V=V, ET=ET):
+    """A SpecForge-layout EAGLE-3 head for the tiny target (or another of vocabulary V and hidden size
+    ET): E may differ from the target's (then it ships its embedding); ids: ("vllm", top-level ids: the
+    state entering layer j) or ("specforge", eagle_config ids: the output of layer j). Returns (config,
+    state dict)."""
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D, I = 4, 2, E // 4, 2 * E
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": E,
@@ -329,3 +330,32 @@ def test_what_cannot_be_served_exactly_is_refused(target, tmp_path):
     # a specd distill checkpoint or a plain Hugging Face model directory is no published head
     target.model.save_pretrained(tmp_path / "plain")
     assert published_format(tmp_path / "plain") is None and draft_meta(str(tmp_path / "plain")) is None
+
+
+@pytest.mark.parametrize("family_name", ["gpt_oss", "qwen3_moe"])
+def test_eagle3_heads_for_moe_targets_draft_what_the_published_math_drafts(tmp_path, family_name):
+    """The published EAGLE-3 heads for gpt-oss and Qwen3-MoE targets are SpecForge's layout (a llama
+    decoder layer over the MoE target's hidden states: gpt-oss's with eagle_config's layer ids and
+    its own embedding, Qwen3-MoE's with vLLM's ids and the target's embedding): written here for tiny
+    targets of those families, they draft the reference's chain, and the engine's greedy output with
+    them is the target's."""
+    from test_families import model_of
+
+    from actors.models import LoadedModel
+
+    target = LoadedModel(model_of(family_name), None, family_name)
+    kw = dict(ids=("specforge", [0, 1, 2]), own_embed=True) if family_name == "gpt_oss" else \
+        dict(E=64, ids=("vllm", [1, 2, 3]), own_embed=False)
+    cfg, sd = write_eagle3(tmp_path / "head", V=256, ET=64, **kw)
+    drafter = make_drafter(str(tmp_path / "head"), target, 4, 128)
+    runner = LlamaRunner(target.model)
+    a = rand_tokens(11, 5, 256)
+    got = _propose(drafter, 1, 0, a, context_features(runner, a, drafter.feature_layers), 0)
+    assert got == reference_drafts("eagle3", cfg, sd, target, a, 4)
+    eng = SpecEngine(runner, {"head": drafter}, max_batch=4, max_len=128)
+    prompts = [rand_tokens(8, 6, 256) * 2, rand_tokens(5, 7, 256)]
+    out = run(eng, [request(f"r{i}", p, "head", 3, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
+    with torch.no_grad():
+        want = [target.model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                      eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    assert [out[f"r{i}"].token_ids for i in range(2)] == want

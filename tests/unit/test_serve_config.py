@@ -28,6 +28,8 @@ def drafts(cfg: ClusterConfig) -> list[tuple]:
     ({"method": "eagle", "model": "/models/eagle-head"}, ("eagle", "/models/eagle-head", "colocated", "auto")),
     ({"method": "draft_model", "model": "org/small", "num_speculative_tokens": 5},
      ("draft_model", "org/small", "colocated", 5)),
+    ({"method": "mtp", "num_speculative_tokens": 1}, ("mtp", "mtp", "colocated", 1)),
+    ({"method": "deepseek_mtp", "model": "deepseek-ai/DeepSeek-V3"}, ("mtp", "mtp", "colocated", "auto")),
 ])
 def test_vllm_speculative_config_maps_onto_one_draft(vllm, want):
     cfg = ClusterConfig.model_validate({"model": "tiny", "speculative_config": vllm})
@@ -52,7 +54,7 @@ def test_vllm_ngram_bounds_reach_the_drafter():
     ({"method": "eagle3"}, "method 'eagle3' needs a model"),
     ({"method": "ngram", "model": "x"}, "method 'ngram' takes no model"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min \\(4\\) exceeds"),
-    ({"method": "mtp", "model": "x"}, "'ngram', 'eagle', 'eagle3' or 'draft_model'"),
+    ({"method": "medusa", "model": "x"}, "'ngram', 'eagle', 'eagle3', 'draft_model', 'mtp' or 'deepseek_mtp'"),
     ({"method": "ngram", "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
 ])
