@@ -107,6 +107,38 @@ LLAMA31_8B = dict(num_hidden_layers=32, num_key_value_heads=8, head_dim=128, par
 H100_BYTES = 80e9
 
 
+# Qwen3-30B-A3B's config.json: what sizes its GPU (every expert resides on it).
+QWEN3_30B_A3B = dict(num_hidden_layers=48, num_key_value_heads=4, head_dim=128, params=30.53e9, vocab_size=151936,
+                     hidden_size=2048)
+H200_BYTES = 141e9
+
+
+def test_moe_example_is_sized_for_its_gpu():
+    """k8s/cluster-qwen3-30b-a3b.yaml: a hub MoE in bf16 on CUDA with an EAGLE-3 head inside the verifier;
+    all experts' weights + the KV cache fit the H200 it asks for, and would not fit an H100; the RayService
+    runs that config on H200 nodes with the shared cache and the hub token."""
+    from actors.models import is_hub_id
+
+    cfg = ClusterConfig.load(K8S / "cluster-qwen3-30b-a3b.yaml")
+    assert is_hub_id(cfg.model) and (cfg.device, cfg.dtype) == ("cuda", "bf16")
+    assert cfg.router.default_draft == "eagle3" and is_hub_id(cfg.draft("eagle3").spec)
+    assert all(d.placement == "colocated" for d in cfg.drafts)
+    assert cfg.verifier.resources.num_gpus == 1 and cfg.verifier.resources.accelerator_type == "H200"
+    m = QWEN3_30B_A3B
+    weights = 2 * m["params"] + 2 * 32000 * 2048 + 2 * 4 * 2048 * 2048  # + the head's LM head and layer
+    kv = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 2 * cfg.verifier.max_batch * cfg.max_len
+    assert weights + kv < 0.8 * H200_BYTES and weights + kv > 0.8 * H100_BYTES, (weights / 1e9, kv / 1e9)
+    svc, = [d for d in docs(K8S / "rayservice-qwen3-30b-a3b.yaml") if d.get("kind") == "RayService"]
+    assert "config: k8s/cluster-qwen3-30b-a3b.yaml" in svc["spec"]["serveConfigV2"]
+    verifier, = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = verifier["template"]["spec"]
+    assert spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token" and cfg.auth.tokens_env in env
+    limits = spec["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "1" and int(limits["memory"].removesuffix("Gi")) * 2**30 > 2 * m["params"]
+
+
 def test_real_model_example_is_sized_for_its_gpu():
     """k8s/cluster-llama31-8b.yaml: a hub model in bf16 on CUDA with its published EAGLE-3 head and
     n-gram inside the verifier (on its GPU); weights + the KV cache the config preallocates fit the
