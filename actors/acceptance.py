@@ -40,7 +40,7 @@ class Row:
     parents: list[int] | None = None  # token tree: parents[i] is the feed index of drafts[i]'s parent
     probs: torch.Tensor | None = None  # [k, V] the draft's distribution (sampled rows of stochastic drafters)
     draft_s: float = 0.0  # seconds its draft took (the per-request stats)
-    shadow: list[int] | None = None  # drafts proposed only to be compared, never verified (policy)
+    shadow: list[int] | None = None  # drafts proposed only to be compared, never verified (policy); [] none proposed
     forced: bool = False  # the drafts are the tokens its grammar forces (`grammar.forced_drafts`), no drafter's
 
     @property

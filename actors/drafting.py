@@ -81,7 +81,7 @@ def gather(seqs: list[Sequence], flights: dict[int, Flight]) -> VerifyBatch:
         d = f.drafts[i]
         shadow = bool(f.shadow) and f.shadow[i]
         if shadow:  # proposed only to be compared with what the target commits: nothing to verify
-            rows.append(Row(s, [], draft_s=f.launch_s + f.wait_s, shadow=d or None))
+            rows.append(Row(s, [], draft_s=f.launch_s + f.wait_s, shadow=d))  # [] too: proposed none
         else:
             rows.append(Row(s, d, f.parents.get(i), f.probs.get(i), f.launch_s + f.wait_s))
     at = {id(s): b for b, s in enumerate(seqs)}

@@ -446,9 +446,9 @@ class SpecEngine:
         rows = batch.rows
         self.policy.observe_pass(len(rows), batch.width + 1, seconds)
         for name, idx, _ in batch.groups:
-            for is_tree in (False, True):
-                sub = [b for b in idx if rows[b].drafts and (rows[b].parents is not None) == is_tree
-                       and rows[b].seq.beam is None and not rows[b].forced]
+            for is_tree in (False, True):  # (chains: the rows that proposed nothing count too)
+                sub = [b for b in idx if (rows[b].drafts or not is_tree) and (rows[b].parents is not None) == is_tree
+                       and rows[b].seq.beam is None and not rows[b].forced and rows[b].shadow is None]
                 if sub:
                     self.policy.observe_verified(name, [len(rows[b].drafts) for b in sub],
                                                  [len(verdicts[b].path) for b in sub], tree=is_tree)

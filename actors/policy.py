@@ -85,6 +85,15 @@ class DrafterEstimate:
     tree: int = 0  # the last choice of tree budget (0: a chain)
     tree_len: dict = field(default_factory=dict)  # budget -> [decayed accepted path length, decayed count]
     tree_row_s: dict = field(default_factory=dict)  # budget -> seconds drafting one row's tree (EMA)
+    _curves: dict = field(default_factory=dict, repr=False)  # lcb -> the last accept_curve: (its inputs, it)
+    # Rows asked for drafts and rows that proposed any (decayed): a lookup drafter (n-gram, suffix)
+    # proposes nothing where it finds no match, and such a row gains nothing from a wider pass
+    asked: float = 0.0
+    proposed: float = 0.0
+
+    def propose_rate(self) -> float:
+        """P(a row asked for drafts proposes any), with a prior of 1 worth PRIOR_WEIGHT rows."""
+        return (self.proposed + PRIOR_WEIGHT) / (self.asked + PRIOR_WEIGHT)
 
     def conditional(self, j: int, lcb: bool) -> float:
         """P(accept position j | positions < j accepted): decayed counts with a prior."""
@@ -93,11 +102,17 @@ class DrafterEstimate:
         return max(0.0, p - Z * math.sqrt(p * (1 - p) / n)) if lcb else p
 
     def accept_curve(self, lcb: bool = True) -> list[float]:
-        """a[j] = P(the first j+1 drafts are all accepted)."""
+        """a[j] = P(the first j+1 drafts are all accepted). Kept until the evidence changes: the policy
+        reads it several times a step, and a drafter that is off gathers none for many steps."""
+        key = (self.prior_weight, *self.acc, *self.seen, *self.prior)
+        got = self._curves.get(lcb)
+        if got is not None and got[0] == key:
+            return got[1]
         out, run = [], 1.0
         for j in range(AUTO_MAX_GAMMA):
             run *= self.conditional(j, lcb)
             out.append(run)
+        self._curves[lcb] = (key, out)
         return out
 
 
@@ -112,12 +127,15 @@ class SpeculationPolicy:
         self.scale = 1.0  # measured / calibrated pass time (EMA): the machine may be busier now
         self.last_pass_s, self.last_rows = cost(1, 1), 1
         # Measured throughput overrules the model: per step, realized tokens/s over the rate the
-        # model predicted for its choice (EMA), for steps that speculated and steps that did not.
-        # Where speculating realizes less of its prediction than not speculating does, the
-        # predicted gain of every speculative choice is discounted by that ratio (`realized`).
-        self.realized = {True: 1.0, False: 1.0}
-        self.realized_n = {True: 0.0, False: 0.0}
+        # model predicted for its choice (EMA), for steps that speculated and steps that did not, per
+        # batch size class (1, 2-3, 4-7, 8-15, ...: what the model misses, the engine's per-row work
+        # for a speculative step, weighs differently at each). Where speculating realizes less of its
+        # prediction than not speculating does, the predicted gain of every speculative choice at that
+        # batch size is discounted by that ratio (`realized`).
+        self.realized: dict[tuple[int, bool], float] = {}
+        self.realized_n: dict[tuple[int, bool], float] = {}
         self._predicted: tuple[bool, float] | None = None  # the last choice: (speculated, tokens/s)
+        self._predicted_class = 1  # and its batch size class
 
     def set_prior(self, drafter: str, prior: DraftPrior) -> None:
         """Start `drafter` from what a tune profile measured (its estimate so far is dropped)."""
@@ -172,20 +190,32 @@ class SpeculationPolicy:
                 groups.setdefault(d, []).append(min(cap, AUTO_MAX_GAMMA))
         base = sum(1 + sum(self.estimate(d).accept_curve(lcb=False)[:cap]) if d is not None and not auto else 1
                    for d, cap, auto in rows)
-        curves = {d: self.estimate(d).accept_curve(lcb=True) for d in groups}
+        curves = {d: [a * self.estimate(d).propose_rate() for a in self.estimate(d).accept_curve(lcb=True)]
+                  for d in groups}
 
-        discount = self.discount()
+        discount = self.discount(B)
+        # What rate() reads, precomputed (it runs ~10 times per drafter per step): per drafter, the
+        # expected tokens of its rows at each γ (their caps counted once per distinct cap), its
+        # widest cap and its draft step.
+        gained = {}
+        for d, caps in groups.items():
+            prefix = [0.0]
+            for a in curves[d]:
+                prefix.append(prefix[-1] + a)
+            counts = {c: caps.count(c) for c in set(caps)}
+            gained[d] = [sum(n * prefix[min(k, c)] for c, n in counts.items()) for k in range(max(caps) + 1)]
+        widest = {d: max(caps) for d, caps in groups.items()}
+        step_s = {d: self.estimate(d).step_s or 0.0 for d in groups}
 
         def rate(g: dict[str, int]) -> float:
-            tokens = base + sum(sum(curves[d][:min(g[d], c)]) for d, caps in groups.items() for c in caps)
-            width = max([fixed_w] + [min(g[d], max(caps)) for d, caps in groups.items()])
-            secs = self.scale * self.cost(B, 1 + width) + sum(g[d] * (self.estimate(d).step_s or 0.0)
-                                                              for d in groups)
+            tokens = base + sum(gained[d][min(g[d], widest[d])] for d in groups)
+            width = max([fixed_w] + [min(g[d], widest[d]) for d in groups])
+            secs = self.scale * self.cost(B, 1 + width) + sum(g[d] * step_s[d] for d in groups)
             return tokens / secs * (discount if any(g.values()) else 1.0)
 
         g = {d: 0 for d in groups}
         best = rate(g)
-        for _ in range(2):  # coordinate ascent; two rounds settle with a few drafters
+        for _ in range(2 if len(groups) > 1 else 1):  # coordinate ascent; two rounds settle with a few drafters
             for d, caps in groups.items():
                 for cand in range(0, max(caps) + 1):
                     trial = {**g, d: cand}
@@ -211,6 +241,7 @@ class SpeculationPolicy:
                     g[d] = depth
         on = any(g.values())
         self._predicted = (on, best / (discount if on else 1.0)) if groups else None
+        self._predicted_class = B.bit_length()
         for d in groups:
             e = self.estimate(d)
             e.gamma = g[d]
@@ -220,12 +251,14 @@ class SpeculationPolicy:
         return [min(cap, g[d]) if d is not None and auto and d in g else (cap if d is not None else 0)
                 for d, cap, auto in rows]
 
-    def discount(self) -> float:
-        """What speculating realizes of its predicted rate, relative to not speculating (<= 1;
-        1 until both have a few steps of evidence)."""
-        if min(self.realized_n.values()) < 3:
+    def discount(self, rows: int | None = None) -> float:
+        """What speculating realizes of its predicted rate, relative to not speculating, at passes of
+        `rows` rows' size class (default: the last pass's) (<= 1; 1 until both have a few steps of
+        evidence there)."""
+        c = (self.last_rows if rows is None else rows).bit_length()
+        if min(self.realized_n.get((c, True), 0.0), self.realized_n.get((c, False), 0.0)) < 3:
             return 1.0
-        return min(1.0, self.realized[True] / self.realized[False])
+        return min(1.0, self.realized[(c, True)] / self.realized[(c, False)])
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """The step `choose` last decided committed `tokens` in `seconds` (drafting and the pass)."""
@@ -233,26 +266,32 @@ class SpeculationPolicy:
             return
         on, predicted = self._predicted
         self._predicted = None
+        key, spec = (self._predicted_class, on), (self._predicted_class, True)
         r = min(max(tokens / seconds / predicted, 0.05), 20.0)
-        self.realized[on] = r if not self.realized_n[on] else 0.9 * self.realized[on] + 0.1 * r
-        self.realized_n[on] = 0.9 * self.realized_n[on] + 1
-        if not on:  # a shortfall seen while speculating fades over ~100 plain steps: then it tries again
-            self.realized[True] += DISCOUNT_FADE * (self.realized[False] - self.realized[True])
+        self.realized[key] = r if not self.realized_n.get(key) else 0.9 * self.realized[key] + 0.1 * r
+        self.realized_n[key] = 0.9 * self.realized_n.get(key, 0.0) + 1
+        if not on and spec in self.realized:  # a shortfall seen while speculating fades over ~100 plain steps
+            self.realized[spec] += DISCOUNT_FADE * (self.realized[key] - self.realized[spec])
 
     def wants_shadow(self, drafter: str, free: bool) -> bool:
-        """Whether the rows of an (auto, switched-off) drafter should shadow-draft this step:
-        always when drafting is free (n-gram), else within the shadow budget. A shadow call costs
-        what it measured (`observe_shadow_time`): every row of the batch drafts, after catching
-        up on the tokens committed since its last call, so it may cost many draft steps."""
+        """Whether the rows of an (auto, switched-off) drafter should shadow-draft this step, within
+        the shadow budget. A shadow call costs what it measured (`observe_shadow_time`): every row of
+        the batch drafts (a model drafter after catching up on the tokens committed since its last
+        call, so it may cost many draft steps). A lookup drafter (`free`: n-gram, suffix) costs no
+        model time and shadows every step while its calls fit the budget (a 10 ms pass), and less
+        often where the pass is so short that its lookups do not (a 2 ms pass over 8 rows: ~10%
+        of the step, measured); a model drafter within a budget scaled to what it could gain."""
         e = self.estimate(drafter)
         if e.gamma > 0:
             return False
-        if free:
-            return True
         e.since_shadow += 1
-        call_s = max(AUTO_MAX_GAMMA * (e.step_s or 0.0), e.shadow_s)
-        budget = self.shadow_budget * min(1.0, max(self.upside(e), 0.0) / UPSIDE_FULL_BUDGET + 0.1)
-        period = 1 if not e.step_s else math.ceil(call_s / (budget * self.scale * self.last_pass_s))
+        if free:
+            call_s, budget = e.shadow_s, self.shadow_budget
+        else:
+            call_s = max(AUTO_MAX_GAMMA * (e.step_s or 0.0), e.shadow_s)
+            budget = self.shadow_budget * min(1.0, max(self.upside(e), 0.0) / UPSIDE_FULL_BUDGET + 0.1)
+        measured = e.shadow_s if free else e.step_s
+        period = 1 if not measured else math.ceil(call_s / (budget * self.scale * self.last_pass_s))
         if e.since_shadow >= period:
             e.since_shadow = 0
             return True
@@ -262,7 +301,7 @@ class SpeculationPolicy:
         """The most speculating with this drafter could gain at the last pass's rows: the best γ's
         predicted rate over γ=0's, at its mean (not lower-bound) acceptance, every row drafting."""
         B = self.last_rows
-        curve = e.accept_curve(lcb=False)
+        curve = [a * e.propose_rate() for a in e.accept_curve(lcb=False)]
         off = B / (self.scale * self.cost(B, 1))
         best = max(B * (1 + sum(curve[:g])) / (self.scale * self.cost(B, 1 + g) + g * (e.step_s or 0.0))
                    for g in range(1, AUTO_MAX_GAMMA + 1))
@@ -277,6 +316,11 @@ class SpeculationPolicy:
             e.seen[j] = e.seen[j] * keep + 1
             e.acc[j] = e.acc[j] * keep + (j < accepted)
 
+    def _observe_proposed(self, e: DrafterEstimate, proposed: bool) -> None:
+        keep = 1 - self.decay
+        e.asked = e.asked * keep + 1
+        e.proposed = e.proposed * keep + proposed
+
     def observe_verified(self, drafter: str, drafted: list[int], accepted: list[int], tree: bool = False) -> None:
         """One verify step of one drafter: per row, drafts proposed and accepted (for trees:
         nodes proposed and the accepted path's length, kept apart from the chain estimate)."""
@@ -285,6 +329,7 @@ class SpeculationPolicy:
             return
         e = self.estimate(drafter)
         for k, a in zip(drafted, accepted):
+            self._observe_proposed(e, k > 0)
             if k:
                 self._observe(e, k, a)
                 e.verified_drafts += 1
@@ -305,6 +350,7 @@ class SpeculationPolicy:
     def observe_shadow(self, drafter: str, drafted: int, matched: int) -> None:
         """A shadow draft of `drafted` tokens whose first `matched` equal what the target committed."""
         e = self.estimate(drafter)
+        self._observe_proposed(e, drafted > 0)
         self._observe(e, drafted, matched)
         e.shadow_drafts += 1
 

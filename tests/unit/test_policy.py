@@ -294,6 +294,23 @@ def test_measured_throughput_overrules_the_model():
     assert p.discount() > 0.95 and p.choose(on)[0] > 0
 
 
+def test_a_shortfall_at_one_batch_size_does_not_switch_off_another():
+    """The discount is kept per batch size class: speculative steps of 8 rows that realize half their
+    prediction switch 8-row speculation off, and single-row steps (which realized theirs) keep it."""
+    p = SpeculationPolicy(flat())
+    trained(p, "d", alpha=0.6)
+    trained(p, "e", alpha=0.0)
+    for rows, realized in ((8, 0.5), (1, 1.0)):
+        on, off = [("d", 8, True)] * rows, [("e", 8, True)] * rows
+        for _ in range(4):
+            assert p.choose(on)[0] > 0
+            p.observe_step(10 * realized, 10 / p._predicted[1])
+            p.choose(off)
+            p.observe_step(10, 10 / p._predicted[1])
+    assert p.discount(8) == pytest.approx(0.5, abs=0.03) and p.discount(1) == pytest.approx(1.0)
+    assert p.choose([("d", 8, True)] * 8) == [0] * 8 and p.choose([("d", 8, True)])[0] > 0
+
+
 def test_shadow_budget_follows_what_the_drafter_could_gain():
     """A drafter that could not gain even at its mean acceptance shadows a tenth as often as one
     whose upside is large: staying ready costs what it can buy."""
