@@ -117,7 +117,7 @@ class DrafterEstimate:
 
 
 class SpeculationPolicy:
-    def __init__(self, cost: PassCost, decay: float = 0.02, shadow_budget: float = 0.02):
+    def __init__(self, cost: PassCost, decay: float = 0.02, shadow_budget: float = 0.01):
         """cost: the target's pass cost (a tune profile's, else the load-time calibration);
         decay: weight lost per observation by older evidence (tracks a changing context);
         shadow_budget: share of the step time a model drafter may spend on shadow drafts."""
