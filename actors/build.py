@@ -262,7 +262,10 @@ def tensor_bytes(tensors, seen: set) -> int:
 
 
 def _runner_tensors(runner: LlamaRunner) -> list:
-    return [runner.embed, runner.norm, runner.lm_head] + [v for w in runner.layers for v in vars(w).values()]
+    """Every tensor a runner holds (MoE experts and MLA projections through `weights`: gpt-oss's experts
+    and prepacked ones are copies of the model's)."""
+    return [runner.embed, runner.norm, runner.lm_head] + [v for w in runner.layers for v in vars(w).values()] + \
+        [t for wb in runner.weights() for t in wb if t is not None]
 
 
 def memory_report(hf_model, runner: LlamaRunner, cache, drafters: dict[str, Drafter]) -> dict[str, dict[str, int]]:

@@ -116,7 +116,8 @@ class KVCache:
     """Per-slot keys and values, and the number of valid positions per slot.
 
     Layout per layer: [S, max_len, Hkv, D], so a write of new tokens is one
-    advanced-index assignment and a read of a contiguous slot range is a view.
+    advanced-index assignment and a read of a contiguous slot range is a view. With MLA
+    (`shared_kv`) Hkv is 1, D the latent's width, and the values are the keys' tensor.
     Positions at or beyond a slot's length hold garbage and are never attended.
     """
 

@@ -22,8 +22,8 @@ Dense layers among sparse ones (`mlp_only_layers`, `decoder_sparse_step`) are pl
 Grouped compute: a pass's B×T rows are routed, the (row, expert) pairs sorted by expert, and each
 expert that any row chose runs once over all its rows (two matmuls, gate/up and down), not a loop
 per token. Each expert's scaled output is added into its rows in expert order, so a row's sum is
-taken in the same order whatever else the pass holds (with the runner's exact linears, a row's
-bits do not depend on the width of the pass: the issue's row invariance, for MoE too).
+taken in the same order whatever else the pass holds: with the runner's exact linears, a row's
+bits do not depend on the width of the pass, for MoE layers too.
 
 Does not know: attention, caches, requests or speculation.
 """

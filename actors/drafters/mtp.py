@@ -86,7 +86,8 @@ def read_mtp(target_hf) -> PublishedHead:
         raise ValueError(f"{what}: MTP layers are read for {sorted(MTP_TYPES)} targets only")
     L = cfg.num_hidden_layers
     tensors = _read_prefixed(checkpoint_dir(target_hf), f"model.layers.{L}.")
-    missing = [k for k in _OWN[1:5] if k not in tensors]
+    missing = [k for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+               if k not in tensors]
     if missing:
         raise ValueError(f"{what}: the checkpoint holds no MTP layer model.layers.{L}.* (missing {missing}; "
                          f"num_nextn_predict_layers is {getattr(cfg, 'num_nextn_predict_layers', None)})")

@@ -157,7 +157,7 @@ def main(args) -> int:
               "tokens_per_s": med, "tokens_per_s_rounds": tps,
               "vs_gamma0": {n: {B: {c: v / row["γ0"] for c, v in row.items()} for B, row in per.items()}
                             for n, per in med.items()},
-              "policy_gamma": {n: b.engine.policy.state() if b.engine.policy is not None else None
+              "policy": {n: b.engine.policy.state() if b.engine.policy is not None else None
                                for n, b in built.items()}}
     text = render(report)
     print(text)
