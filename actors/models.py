@@ -244,7 +244,15 @@ def load_model(spec: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"
     else:
         path = resolve_model_path(spec)
     name = model_name(spec)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device).eval()
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a progress bar per load ("Loading weights") tells a user nothing
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device).eval()
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return LoadedModel(model, _tokenizer(path), name)
 
 

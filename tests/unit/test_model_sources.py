@@ -30,9 +30,10 @@ def hub_cache(root: Path, repo: str, model_dir: Path, commit: str = COMMIT) -> P
     return snap
 
 
-def load_offline(specs: list[str], cache: Path) -> list[dict]:
+def load_offline(specs: list[str], cache: Path) -> tuple[list[dict], str]:
     """Load each of `specs` in one fresh process whose environment sends the hub offline and at
-    `cache` (huggingface_hub reads both when it is imported): per spec, what loaded, or the error."""
+    `cache` (huggingface_hub reads both when it is imported): per spec, what loaded, or the error;
+    and what the process wrote to stderr."""
     code = ("import json, sys, torch\nfrom actors.models import load_model\n"
             "for spec in sys.argv[1:]:\n"
             "    try:\n"
@@ -47,7 +48,7 @@ def load_offline(specs: list[str], cache: Path) -> list[dict]:
     env.pop("HF_HOME", None)
     out = subprocess.run([sys.executable, "-c", code, *specs], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]], out.stderr
 
 
 def test_hub_id_loads_offline_from_the_cache_layout(tmp_path):
@@ -59,7 +60,10 @@ def test_hub_id_loads_offline_from_the_cache_layout(tmp_path):
     with torch.inference_mode():
         want = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1].argmax().item()
     # the main ref, a pinned revision, and one offline and not in the cache: a clear error
-    main, pinned, missing = load_offline(["acme/tiny-qwen3", f"acme/tiny-qwen3@{COMMIT}", "acme/not-cached"], cache)
+    (main, pinned, missing), stderr = load_offline(["acme/tiny-qwen3", f"acme/tiny-qwen3@{COMMIT}", "acme/not-cached"],
+                                                   cache)
+    # a fresh process loads quietly: no torchao kernel-library or pytree warnings, no progress bar
+    assert not any(noise in stderr for noise in ("Failed to load", "_pytree", "Loading weights")), stderr[-2000:]
     assert main == pinned == {"name": "acme/tiny-qwen3", "type": "qwen3", "next": want}
     assert "HF_HUB_OFFLINE=1 is set and the local hub cache" in missing["error"]
     assert "acme/not-cached" in missing["error"]
