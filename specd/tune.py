@@ -207,8 +207,9 @@ def requests(prompts: list[list[int]], draft: str, gamma: int, tree: int, max_to
 
 
 def calibration_prompts(tokenizer, path: str | None, limit: int) -> list[list[int]]:
-    """Half chat, half code from the committed prompt set (a model without a tokenizer, the tiny
-    test model: random ids and repeating patterns in the same proportion)."""
+    """Half chat, half code from the committed prompt set; from a user's file, its first `limit`
+    prompts taken in turn from each "kind" it names (a file without kinds: its first `limit`). A
+    model without a tokenizer (the tiny test model): random ids and repeating patterns, half each."""
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         chat = [torch.randint(3, 512, (12,), generator=g).tolist() for _ in range(limit)]
@@ -216,13 +217,10 @@ def calibration_prompts(tokenizer, path: str | None, limit: int) -> list[list[in
     else:
         from actors.text import encode_prompt
 
-        from .data import load_prompts
+        from .data import load_prompts, mixed
 
-        rows = load_prompts(path)
-        enc = [(r.get("kind", "chat"), encode_prompt(tokenizer, prompt=r.get("prompt"), messages=r.get("messages")))
-               for r in rows]
-        chat = [ids for kind, ids in enc if kind != "code"]
-        code = [ids for kind, ids in enc if kind == "code"]
+        return [encode_prompt(tokenizer, prompt=r.get("prompt"), messages=r.get("messages"))
+                for r in mixed(load_prompts(path), limit)]
     return [p for pair in zip(chat, code) for p in pair][:limit]
 
 

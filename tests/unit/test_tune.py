@@ -153,3 +153,26 @@ def test_tune_writes_a_profile_that_the_engine_and_a_verifier_use(tmp_path, monk
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_engine("tiny", ["ngram"], "fp32", max_batch=2, max_len=128, device="cpu",
                      tune_profile=str(tmp_path / "missing.json"))
+
+
+def test_calibration_takes_the_prompt_file_a_user_writes(tmp_path):
+    """A file of chat messages without the committed set's "kind" field fills the calibration (it
+    gave 0 prompts, "cannot fill a batch of 8"); the committed set still alternates chat and code."""
+    import json
+
+    from actors.models import load_tokenizer
+    from specd.data import load_prompts
+    from specd.tune import calibration_prompts
+
+    tok = load_tokenizer("smollm2")
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about topic {i}"}]})
+                              for i in range(10)))
+    assert len(calibration_prompts(tok, str(path), 8)) == 8
+    from actors.text import encode_prompt
+    from specd.data import mixed
+
+    first = mixed(load_prompts(), 4)  # the committed set: chat and code in turn
+    assert [p["kind"] for p in first] == ["chat", "code", "chat", "code"]
+    assert calibration_prompts(tok, None, 4) == [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages"))
+                                                 for p in first]
