@@ -187,25 +187,51 @@ def _llama_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 class GGUFBlocks:
-    """The quantized tensors of one GGUF file, by name."""
+    """The quantized tensors of one GGUF file, by name: where each lies in the file (`_tensor_index`),
+    read through a memory map when asked for."""
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = Path(path)
-        reader = gguf.GGUFReader(str(path))
-        self.tensors = {t.name: t for t in reader.tensors}
-        self.arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        index = _tensor_index(self.path)
+        self.arch = index["arch"]
+        self.tensors = index["tensors"]  # name -> [type, K (GGUF shapes are [in, out]), data shape, offset]
 
     def matrix(self, name: str):
-        t = self.tensors[name]
-        k = int(t.shape[0])  # GGUF shapes are [in, out]
-        kind = t.tensor_type.name
+        kind, k, shape, offset = self.tensors[name]
+        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=tuple(shape))
         if kind == "Q4_1":
-            return "Q4_1", q4_1_blocks(t.data, k)
+            return "Q4_1", q4_1_blocks(raw, k)
         if kind == "Q8_0":
-            return "Q8_0", q8_0_blocks(t.data, k)
+            return "Q8_0", q8_0_blocks(raw, k)
         raise ValueError(f"{self.path.name}: {name} is {kind}; native weights take Q4_1 and Q8_0 blocks")
+
+
+def _tensor_index(path: Path) -> dict:
+    """{"arch": the GGUF's architecture, "tensors": {name: [type, K, data shape, byte offset]}}: parsed
+    once with `gguf`, whose reader also decodes every metadata string (the tokenizer's ~50,000 among them:
+    ~2 s of every start), then kept in the specd cache, keyed by the file's path, size and mtime."""
+    import hashlib
+    import json
+    import os
+
+    from .models import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "gguf-index" / f"{key}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    index = {"arch": bytes(reader.fields["general.architecture"].parts[-1]).decode(),
+             "tensors": {t.name: [t.tensor_type.name, int(t.shape[0]), list(t.data.shape), int(t.data_offset)]
+                         for t in reader.tensors}}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(index))
+    tmp.replace(cached)  # atomic: replicas starting together never read half a file
+    return index
 
 
 _BUILT: "weakref.WeakValueDictionary[tuple, NativeWeight]" = weakref.WeakValueDictionary()
