@@ -7,6 +7,7 @@ why under `weights: native`."""
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,23 @@ def test_a_cluster_config_refuses_native_with_what_it_cannot_combine():
         with pytest.raises(ValueError, match="weights: native .* is not combined with"):
             ClusterConfig.model_validate({"model": "smollm2", "weights": "native", **extra})
     assert ClusterConfig.model_validate({"model": "smollm2", "weights": "native"}).weights == "native"
+
+
+def test_the_gguf_tensor_index_is_parsed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The first load parses the GGUF with `gguf` (seconds: it decodes every tokenizer string) and keeps
+    its tensor index in the specd cache; a later load reads the index and the same blocks without it."""
+    import gguf
+
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
+    path = Path(gguf_source("smollm2"))
+    first = native.GGUFBlocks(path)
+    assert list((tmp_path / "gguf-index").glob("*.json"))
+
+    def parse(*a, **kw):
+        raise AssertionError("parsed again")
+    monkeypatch.setattr(gguf, "GGUFReader", parse)
+    again = native.GGUFBlocks(path)
+    assert again.arch == first.arch == "llama" and again.tensors == first.tensors
+    kind, blocks = again.matrix("blk.0.ffn_down.weight")
+    assert kind == first.matrix("blk.0.ffn_down.weight")[0] and all(
+        torch.equal(a, b) for a, b in zip(blocks, first.matrix("blk.0.ffn_down.weight")[1]))
