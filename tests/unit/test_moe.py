@@ -99,7 +99,7 @@ def test_a_pass_runs_each_active_expert_once_over_all_its_rows(name):
     active = chosen.unique().numel()
     shared = 2 if block.shared_gate_up is not None else 0
     assert len(calls) == 1 + 2 * active + shared  # router, gate/up and down per active expert, shared expert
-    experts = [c for c in calls[1:1 + 2 * active]]
+    experts = calls[1:1 + 2 * active]
     assert sum(rows for rows, _ in experts[::2]) == 16 * block.top_k  # every (row, choice) pair, once
     assert len({ptr for _, ptr in experts}) == 2 * active
 
