@@ -95,6 +95,11 @@ class DrafterEstimate:
         """P(a row asked for drafts proposes any), with a prior of 1 worth PRIOR_WEIGHT rows."""
         return (self.proposed + PRIOR_WEIGHT) / (self.asked + PRIOR_WEIGHT)
 
+    def gain_curve(self, lcb: bool = True) -> list[float]:
+        """g[j] = the expected gain of a row's (j+1)-th draft: accepted, and proposed at all."""
+        rate = self.propose_rate()
+        return [a * rate for a in self.accept_curve(lcb)]
+
     def conditional(self, j: int, lcb: bool) -> float:
         """P(accept position j | positions < j accepted): decayed counts with a prior."""
         n = self.seen[j] + self.prior_weight
@@ -190,8 +195,7 @@ class SpeculationPolicy:
                 groups.setdefault(d, []).append(min(cap, AUTO_MAX_GAMMA))
         base = sum(1 + sum(self.estimate(d).accept_curve(lcb=False)[:cap]) if d is not None and not auto else 1
                    for d, cap, auto in rows)
-        curves = {d: [a * self.estimate(d).propose_rate() for a in self.estimate(d).accept_curve(lcb=True)]
-                  for d in groups}
+        curves = {d: self.estimate(d).gain_curve(lcb=True) for d in groups}
 
         discount = self.discount(B)
         # What rate() reads, precomputed (it runs ~10 times per drafter per step): per drafter, the
@@ -301,7 +305,7 @@ class SpeculationPolicy:
         """The most speculating with this drafter could gain at the last pass's rows: the best γ's
         predicted rate over γ=0's, at its mean (not lower-bound) acceptance, every row drafting."""
         B = self.last_rows
-        curve = [a * e.propose_rate() for a in e.accept_curve(lcb=False)]
+        curve = e.gain_curve(lcb=False)
         off = B / (self.scale * self.cost(B, 1))
         best = max(B * (1 + sum(curve[:g])) / (self.scale * self.cost(B, 1 + g) + g * (e.step_s or 0.0))
                    for g in range(1, AUTO_MAX_GAMMA + 1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eagle_formats import _propose
 from test_families import DEEPSEEK, GLM4_MOE, family
 
 from actors.build import draft_kind, make_drafter, spec_feature_layers
@@ -97,12 +98,6 @@ def reference_drafts(target, tensors, context: list[int], gamma: int) -> list[in
         out.append(tok)
         toks, h = toks + [tok], torch.cat([h, o[-1:]])
     return out
-
-
-def _propose(drafter, seq_id, keep, new, hidden, start, gamma=4):
-    prop = drafter.propose([DraftSeq(seq_id=seq_id, keep=keep, new_tokens=new, gamma=gamma, hidden=hidden,
-                                     hidden_start=start)])
-    return prop.tokens[0, :prop.num_draft[0]].tolist()
 
 
 def test_mtp_drafts_what_the_published_math_drafts(checkpoint):
