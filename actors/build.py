@@ -39,7 +39,7 @@ from .models import (
     resolve_model_path,
     vocab_fingerprint,
 )
-from .schema import EXACT_CHOICES, PREPACK_CHOICES, WEIGHTS_CHOICES
+from .schema import EXACT_CHOICES, KV_BLOCK, PREPACK_CHOICES, WEIGHTS_CHOICES
 from .tune_profile import matching
 
 # Shipped distilled drafts, by target name (LoadedModel.name), inside this package.
@@ -266,6 +266,23 @@ def _runner_tensors(runner: LlamaRunner) -> list:
     and prepacked ones are copies of the model's)."""
     return [runner.embed, runner.norm, runner.lm_head] + [v for w in runner.layers for v in vars(w).values()] + \
         [t for wb in runner.weights() for t in wb if t is not None]
+
+
+def kv_budget(kv_memory: int | float | None, device) -> int | None:
+    """KV bytes from a setting: bytes as given (an int, or a float above 1), or a fraction (0, 1] of the
+    memory free now: the device's on a GPU, the machine's available memory on a CPU."""
+    if kv_memory is None or kv_memory > 1:
+        return None if kv_memory is None else int(kv_memory)
+    if kv_memory <= 0:
+        raise ValueError(f"kv_memory must be bytes or a fraction in (0, 1], got {kv_memory}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return int(free * kv_memory)
 
 
 def memory_report(hf_model, runner: LlamaRunner, cache, drafters: dict[str, Drafter]) -> dict[str, dict[str, int]]:
@@ -600,7 +617,7 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
                  compile: bool = False, tune_profile: str | None = None, quant: str = "none",
                  draft_quant: str | dict[str, str] = "none", prepack: str = "auto", weights: str = "auto",
-                 exact: str = "auto") -> Built:
+                 exact: str = "auto", kv_block: int | None = KV_BLOCK, kv_memory: int | float | None = None) -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
@@ -617,7 +634,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     weights: a GGUF-born target's own 4-bit blocks ("native", `actors/native.py`), "dense", or
     "auto" (measured; not with quant or compile). exact: row-invariant target passes (`with_exact`:
     "auto", "require" or "off"); where on, the dtype and layout are chosen by rule (`exact_option`).
-    The rest as `SpecEngine` takes them."""
+    kv_memory: the KV pool in bytes, or a fraction of the memory free once the weights are loaded
+    (`kv_budget`). The rest as `SpecEngine` takes them."""
     from .quant import check_mode, quantize_runner
 
     device = resolve_device(device)
@@ -657,7 +675,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     engine = SpecEngine(runner, drafters, tokenizer=target.tokenizer,
                         eos_token_ids=target.eos_token_ids, max_batch=max_batch, max_len=max_len,
                         seq_id_base=seq_id_base, pipeline=pipeline, prefill_chunk=prefill_chunk,
-                        default_gamma=default_gamma, pass_cost=cost)
+                        default_gamma=default_gamma, pass_cost=cost, kv_block=kv_block,
+                        kv_memory=kv_budget(kv_memory, device))
     for name, prof in profiles.items():
         engine.policy.set_prior(name, prof.prior())
     engine.info.update(dtype=dt, dtype_reason=why, hardware=hw, quant=quant, prepacked=runner.prepacked,

@@ -103,7 +103,10 @@ class Features:
 
     def __init__(self, layers: tuple[int, ...], slots: int, positions: int, width: int, dtype, device):
         self.layers = layers
-        self.buf = torch.zeros(slots, positions, len(layers) * width, dtype=dtype, device=device)  # [S, P, F * E]
+        # [S, P, F * E]; only [:length] of a slot is ever read. On a CPU left uninitialised, so that the
+        # pages of positions no request reached are never resident.
+        new = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        self.buf = new(slots, positions, len(layers) * width, dtype=dtype, device=device)
         self.length = [0] * slots  # committed tokens whose features are in buf
 
     def keep(self, slot: int, h: torch.Tensor) -> None:

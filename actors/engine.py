@@ -1,10 +1,12 @@
 """The speculative-decoding engine: a continuous batch of sequences, one target pass per step.
 
 Each `step()`:
-  1. admits waiting requests into free KV slots (a cached prefix's slot may already hold a
-     prompt's first tokens: `prefix_cache`), and prefills prompts in chunks under a per-step
-     token budget (`prefill_chunk`), so running streams keep decoding while a long prompt is
-     admitted; a prompt's last chunk commits its first token;
+  1. admits waiting requests while a KV slot and the pool's blocks allow (`kv.KVCache`; a cached
+     prefix's blocks may already hold a prompt's first tokens: `prefix_cache`); makes room for
+     the step's passes (evicting cached prefixes, then preempting the youngest request, whose
+     KV is recomputed when it is readmitted: nothing committed is lost); and prefills prompts
+     in chunks under a per-step token budget (`prefill_chunk`), so running streams keep
+     decoding while a long prompt is admitted; a prompt's last chunk commits its first token;
   2. drafts: `launch_drafts` asks each decoding sequence's drafter for up to γ tokens
      (`drafting.launch`), and `drafting.gather` turns the answers into a `VerifyBatch`;
   3. verifies: `verify(batch)` scores every row's [last committed token, drafts...] in ONE
@@ -38,6 +40,7 @@ from .calibrate import PassCost, measure
 from .drafters.base import KV_HEADROOM, Drafter
 from .drafting import Features, Flight, feature_columns, feature_union, gather, launch
 from .grammar import Grammars, forced_drafts
+from .kv import blocks_for_memory
 from .llama import LlamaRunner
 from .metrics import BatcherStats
 from .penalties import Penalties
@@ -45,9 +48,11 @@ from .pipeline import MicroBatches
 from .policy import DraftSelector, SpeculationPolicy
 from .prefix_cache import PrefixCache
 from .sampling import new_generator
-from .schema import AUTO, AUTO_DRAFT, Completion, Delta, Limits, Request, SpecStats, validate
+from .schema import AUTO, AUTO_DRAFT, KV_BLOCK, Completion, Delta, Limits, Request, SpecStats, validate
 from .sequence import Sequence, mode_of
 from .text import TextStream
+
+PREFILL_FILL = 0.75  # a padded prefill pass holds at least this share of real tokens (else rows go in another)
 
 
 class StepObserver(Protocol):
@@ -64,7 +69,8 @@ class SpecEngine:
                  tokenizer=None, eos_token_ids: set[int] | None = None,
                  max_batch: int = 8, max_len: int = 2048, seq_id_base: int = 0, pipeline: bool = False,
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
-                 pass_cost: PassCost | None = None, prefix_cache: bool = True):
+                 pass_cost: PassCost | None = None, prefix_cache: bool = True, kv_block: int | None = KV_BLOCK,
+                 kv_memory: int | None = None):
         """max_len: context (prompt + output) per sequence.
         seq_id_base: first sequence key (keys must be distinct per engine on shared drafters).
         pipeline: overlap asynchronous drafters with target passes over two micro-batches.
@@ -72,7 +78,9 @@ class SpecEngine:
         default_gamma: γ per drafter name for requests that leave it unset ("auto" unless given).
         pass_cost: the target's calibrated pass cost (calibrate.calibrated); measured here when
         absent and there are drafters (the speculation policy needs it).
-        prefix_cache: keep finished sequences' KV for later prompts that share a prefix (prefix_cache.py)."""
+        prefix_cache: keep finished sequences' KV for later prompts that share a prefix (prefix_cache.py).
+        kv_block: positions per KV block (None: one block of max_len per slot, the slotted cache).
+        kv_memory: bytes of KV (`kv.KVCache`'s pool; None: enough for every slot at max_len)."""
         self.target = target
         self.drafters = dict(drafters or {})
         self.tokenizer = tokenizer
@@ -87,7 +95,17 @@ class SpecEngine:
         self.limits = Limits(context=max_len, max_tokens=max_len - 1, vocab_size=target.vocab_size, drafts=gammas,
                              max_beams=max_batch)
         self.device = target.device
-        self.cache = target.new_cache(max_batch, max_len + KV_HEADROOM)
+        positions = max_len + KV_HEADROOM
+        blocks = None
+        if kv_memory is not None:
+            if kv_block is None:
+                raise ValueError("kv_memory sizes a pool of blocks: set kv_block too")
+            blocks = blocks_for_memory(kv_memory, kv_block, target.bytes_per_position())
+            if blocks * kv_block < positions:
+                raise ValueError(f"kv_memory {kv_memory} bytes holds {blocks * kv_block} positions, fewer than one "
+                                 f"sequence of max_len {max_len} (+{KV_HEADROOM}) needs")
+        self.cache = target.new_cache(max_batch, positions, block_size=kv_block, num_blocks=blocks)
+        self.preempted: dict[int, Sequence] = {}  # key -> a sequence waiting to get its KV back
         self.waiting: deque[tuple[int, Request]] = deque()
         self.active: dict[int, Sequence] = {}  # key -> sequence holding a KV slot
         self.free_slots = list(range(max_batch))
@@ -161,6 +179,8 @@ class SpecEngine:
             if k == key:
                 del self.waiting[i]
                 return True
+        if self.preempted.pop(key, None) is not None:  # holds no KV
+            return True
         seq = self.active.get(key)
         if seq is None:
             return False
@@ -169,14 +189,20 @@ class SpecEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self.preempted)
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.preempted)
 
     def kv_slots_in_use(self) -> int:
         """Slots of running sequences (not those holding cached prefixes: admission takes them)."""
         return self.max_batch - len(self.free_slots) - self.prefix.slots
+
+    def kv_usage(self) -> dict:
+        """The KV pool: blocks in all, free (cached prefixes' blocks count as used), their size in positions and bytes."""
+        c = self.cache
+        return {"kv_blocks_total": c.num_blocks, "kv_blocks_free": c.free_blocks, "kv_block_size": c.block_size,
+                "kv_bytes_reserved": c.num_blocks * c.bytes_per_block, "kv_bytes_used": c.used_blocks * c.bytes_per_block}
 
     def warm(self) -> int:
         """Compile the target's and the local drafters' kernels for every shape they will meet
@@ -201,6 +227,7 @@ class SpecEngine:
     def step(self) -> dict[int, Delta]:
         self._out = {}
         self._admit()
+        self._make_room()
         self._prefill()
         seqs = sorted((m for s in self.active.values() if s.decoding for m in (s.beam.members if s.beam else [s])),
                       key=lambda s: s.slot)
@@ -213,9 +240,18 @@ class SpecEngine:
         return out
 
     def _admit(self) -> None:
-        """Admit waiting requests in order while there are KV slots: one per sequence, B for a
-        beam request (the first that does not fit waits, and so does everything behind it)."""
-        while self.waiting and len(self.free_slots) + self.prefix.slots >= self.waiting[0][1].sampling.num_beams:
+        """Admit preempted sequences, then waiting requests, in order while there are KV slots (one per
+        sequence, B for a beam request) and blocks for their tokens (the first that does not fit waits,
+        and so does everything behind it)."""
+        while self.preempted:
+            s = min(self.preempted.values(), key=lambda s: s.key)
+            if not self._fits(len(s.tokens), 1):
+                return
+            del self.preempted[s.key]
+            s.slot, s.prefilled = self.prefix.take(s.tokens, self.free_slots)
+            s.refill = len(s.tokens) - 1 if s.output else None  # with nothing committed: its prompt, as before
+            self.active[s.key] = s
+        while self.waiting and self._fits(len(self.waiting[0][1].prompt_ids), self.waiting[0][1].sampling.num_beams):
             key, req = self.waiting.popleft()
             p = req.sampling
             seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(7), "little")
@@ -243,6 +279,72 @@ class SpecEngine:
                 for m in others:
                     m.beam = s.beam
 
+    def _fits(self, tokens: int, beams: int) -> bool:
+        """Whether a sequence of `tokens` tokens (and `beams` - 1 more beams) may be admitted: free slots,
+        and free blocks beyond what admitted prompts will still take (cached prefixes evicted, least
+        recently used first, until they are)."""
+        c = self.cache
+        if len(self.free_slots) + self.prefix.slots < beams:
+            return False
+        want = c.blocks(tokens + KV_HEADROOM) + (beams - 1) * c.blocks(KV_HEADROOM)
+        pending = sum(c.need(s.slot, s.fill + KV_HEADROOM) for s in self.active.values() if not s.decoding)
+        while c.free_blocks - pending < want and self.prefix.slots:
+            self.free_slots.append(self.prefix.evict())
+        self.free_slots.sort()
+        return c.free_blocks - pending >= want
+
+    def _step_blocks(self) -> dict[int, int]:
+        """Blocks this step's passes may take, per sequence key: each prompt's next chunk (as `_prefill`
+        picks them, padding included) and each decoding row's verify pass, as wide as the widest row
+        may be (one token where no row drafts, and no grammar forces tokens)."""
+        c, need, budget, prompts, rows = self.cache, {}, self.prefill_chunk, [], []
+        for s in sorted(self.active.values(), key=lambda s: s.key):
+            if s.decoding:
+                rows.append(s)
+            elif budget:
+                prompts.append((s, min(s.fill - s.prefilled, budget)))
+                budget -= prompts[-1][1]
+        W = max((n for _, n in prompts), default=0)
+        for s, _ in prompts:
+            need[s.key] = c.need(s.slot, min(s.prefilled + W, c.max_len))
+        W = max((1 if s.req.gamma == 0 and s.constraint is None and s.beam is None else KV_HEADROOM for s in rows),
+                default=1)
+        for s in rows:
+            need[s.key] = sum(c.need(m.slot, min(c.lengths[m.slot] + W, c.max_len))
+                              for m in (s.beam.members if s.beam is not None else [s]))
+        return need
+
+    def _make_room(self) -> None:
+        """Free blocks for this step's passes: evict cached prefixes, least recently used first, then
+        preempt the youngest running request (not a beam search) until the step fits."""
+        need = self._step_blocks()
+        while self.cache.free_blocks < sum(need.values()):
+            if self.prefix.slots:
+                self.free_slots.append(self.prefix.evict())
+                continue
+            victims = [s for s in self.active.values() if s.beam is None]
+            if not victims or len(self.active) == 1:
+                return  # alone: its pass takes what is left (a pool smaller than one sequence is refused at start)
+            youngest = max(victims, key=lambda s: s.key)
+            need.pop(youngest.key, None)
+            self._preempt(youngest)
+        self.free_slots.sort()
+
+    def _preempt(self, s: Sequence) -> None:
+        """Take a running sequence's KV back; it waits (first in line) to be prefilled again, with every
+        token it committed: its client sees the stream pause, not an error."""
+        self.micro.drop(s)
+        self.active.pop(s.key)
+        self.prefix.release(s.slot, None)
+        self.free_slots.append(s.slot)
+        if s.draft is not None:
+            self.drafters[s.draft].release(s.key)
+        s.view.reset()
+        s.shadow = None
+        s.prefilled = 0
+        self.preempted[s.key] = s
+        self.batcher.preemptions += 1
+
     def _prefill(self) -> None:
         """Feed prompt chunks, oldest prompt first, up to `prefill_chunk` tokens in all; each
         prompt that completes commits its first token (sampled from its last position)."""
@@ -251,17 +353,22 @@ class SpecEngine:
             if budget == 0:
                 break
             if not s.decoding:
-                n = min(s.num_prompt - s.prefilled, budget)
+                n = min(s.fill - s.prefilled, budget)
                 rows.append((s, n))
                 budget -= n
         if not rows:
             return
         t0 = time.perf_counter()
-        rows.sort(key=lambda r: r[0].slot)
-        W = max(n for _, n in rows)
-        # One padded pass; a row whose padding would run past its cache goes alone.
-        fits = [r for r in rows if r[0].prefilled + W <= self.cache.max_len]
-        groups = ([fits] if fits else []) + [[r] for r in rows if r[0].prefilled + W > self.cache.max_len]
+        # Padded passes: rows of like chunk lengths together (padding computes as much as a real token),
+        # longest first; a row whose padding would run past its cache starts a pass of its own.
+        groups: list[list] = []
+        for r in sorted(rows, key=lambda r: -r[1]):
+            g = groups[-1] if groups else None
+            if g is None or r[0].prefilled + g[0][1] > self.cache.max_len or \
+                    sum(n for _, n in g) + r[1] < PREFILL_FILL * g[0][1] * (len(g) + 1):
+                groups.append([r])
+            else:
+                g.append(r)
         done, last = [], []
         for grp in groups:
             nums = [n for _, n in grp]
@@ -272,7 +379,7 @@ class SpecEngine:
                 if feats is not None:
                     self.feature_store.keep(s.slot, feats[b, :n])
                 s.prefilled += n
-                if s.decoding:
+                if s.decoding and s.refill is None:  # (a preempted sequence's last token is committed already)
                     done.append(s)
                     last.append(hidden[b, n - 1])
         if done:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu, kernels
+from .kv import KVCache
 from .mla import MLA, per_head_linear
 from .moe import MOE_TYPES, MoE
 from .native import NativeWeight
@@ -110,68 +111,6 @@ class TreeMask:
                     anc[b][t] = list(anc[b][p])
                 anc[b][t][t] = True
         return cls(torch.tensor(depth, device=device), torch.tensor(anc, device=device))
-
-
-class KVCache:
-    """Per-slot keys and values, and the number of valid positions per slot.
-
-    Layout per layer: [S, max_len, Hkv, D], so a write of new tokens is one
-    advanced-index assignment and a read of a contiguous slot range is a view. With MLA
-    (`shared_kv`) Hkv is 1, D the latent's width, and the values are the keys' tensor.
-    Positions at or beyond a slot's length hold garbage and are never attended.
-    """
-
-    def __init__(self, num_layers: int, slots: int, max_len: int, n_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, shared_kv: bool = False):
-        self.k = torch.zeros(num_layers, slots, max_len, n_kv, head_dim, dtype=dtype, device=device)
-        self.v = self.k if shared_kv else torch.zeros_like(self.k)  # MLA: one latent vector is both
-        self.lengths = [0] * slots  # python ints: read on every step, never a device sync
-        self.max_len = max_len
-        self.forked_positions = 0  # positions copied by `fork` so far (all layers, K and V)
-
-    @property
-    def slots(self) -> int:
-        return len(self.lengths)
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        """The cache's tensors, each once (MLA's keys are its values)."""
-        return (self.k,) if self.v is self.k else (self.k, self.v)
-
-    def truncate(self, slot: int, length: int) -> None:
-        """Roll a slot back to its first `length` positions (no recompute, no copy)."""
-        if not 0 <= length <= self.lengths[slot]:
-            raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
-        self.lengths[slot] = length
-
-    def compact(self, slot: int, start: int, src: list[int]) -> None:
-        """Move the KV at positions start + src[i] to start + i, for every layer: the accepted
-        path of a token tree becomes contiguous (no recompute)."""
-        if src == list(range(len(src))):
-            return
-        dst = torch.arange(start, start + len(src), device=self.k.device)
-        idx = torch.tensor(src, device=self.k.device) + start
-        for c in self._tensors():
-            c[:, slot, dst] = c[:, slot, idx]
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Slot dst becomes src's first n positions, for every layer (prefix caching)."""
-        for c in self._tensors():
-            c[:, dst, :n] = c[:, src, :n]
-        self.lengths[dst] = n
-
-    def fork(self, src: int, dst: int, prefix: int, tail: list[int]) -> None:
-        """Copy-on-fork (a beam that splits): slot dst becomes src's first `prefix` positions
-        followed by src's positions prefix + tail[i], for every layer."""
-        idx = torch.tensor(tail, device=self.k.device) + prefix
-        for c in self._tensors():
-            c[:, dst, :prefix] = c[:, src, :prefix]
-            if tail:
-                c[:, dst, prefix:prefix + len(tail)] = c[:, src, idx]
-        self.lengths[dst] = prefix + len(tail)
-        self.forked_positions += prefix + len(tail)
-
-    def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
 
 
 class LlamaRunner:
@@ -325,8 +264,11 @@ class LlamaRunner:
             sinks=None if getattr(at, "sinks", None) is None else at.sinks.detach(),
         )
 
-    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """The cache dtype defaults to fp32 on a CPU even for bf16 weights (fp32 attention over a
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None, block_size: int | None = None,
+                  num_blocks: int | None = None) -> KVCache:
+        """A cache of `slots` sequences of at most `max_len` positions (`actors.kv`: blocks of `block_size`
+        positions, a pool of `num_blocks`; by default one block per slot, the slotted cache).
+        The cache dtype defaults to fp32 on a CPU even for bf16 weights (fp32 attention over a
         small cache is ~3x faster there, with no native bf16 softmax, and rounds less), and to the
         model's dtype on a GPU (bf16 KV halves the bytes every attention reads)."""
         if max_len > self.max_position:
@@ -335,7 +277,12 @@ class LlamaRunner:
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device,
-                       shared_kv=self.mla)
+                       shared_kv=self.mla, block_size=block_size, num_blocks=num_blocks)
+
+    def bytes_per_position(self, dtype: torch.dtype | None = None) -> int:
+        """KV bytes one position costs in a cache of this runner (every layer, keys and values)."""
+        dtype = dtype or (torch.float32 if self.device.type == "cpu" else self.dtype)
+        return self.num_layers * self.n_kv * self.head_dim * dtype.itemsize * (1 if self.mla else 2)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: list[int], tokens: torch.Tensor | None,
@@ -351,6 +298,8 @@ class LlamaRunner:
         embeds [B, T, E], when given, replaces the token embedding lookup (a feature-level
         draft head feeds its own input vectors; [B, T, 2E] for a head whose layer has a hidden_norm,
         see `LayerWeights`); `tokens` may then be None.
+        Blocks for the new positions are reserved first (`KVCache.reserve`: OutOfBlocks when the pool is
+        short), and blocks past each slot's new length given back after.
         tree, when given, makes the T new tokens of a row a token tree rather than a chain:
         token t sits at RoPE position lengths + depth[t] and attends to the cached context and
         to the new tokens its ancestor mask allows (its KV still goes to slot position
@@ -367,13 +316,15 @@ class LlamaRunner:
         end = max(starts) + T  # keys to attend: [0, end)
         if end > cache.max_len:
             raise ValueError(f"sequence would reach {end} positions, cache holds {cache.max_len}")
+        for s, n in zip(slots, starts):
+            cache.reserve(s, n + T)
 
         dev = self.device
         start_t = torch.tensor(starts, device=dev)  # [B]
         positions = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]: where the KV goes
-        contiguous = slots == list(range(slots[0], slots[0] + B))
-        sl = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=dev)
-        slot_idx = torch.tensor(slots, device=dev)[:, None]  # [B, 1]
+        table = cache.table(slots, dev)  # [B, P]: each row's blocks
+        bs = cache.block_size
+        written = table.gather(1, positions // bs) * bs + positions % bs  # [B, T]: flat index of each new position
         rope_pos = positions if tree is None else start_t[:, None] + tree.depth  # [B, T]
         masks = self._masks(starts, start_t, positions, rope_pos, end, tree)  # window -> (mask, first key)
 
@@ -389,14 +340,21 @@ class LlamaRunner:
             x = x.float()
         # every layer in one call, exact or not (the attention kernel is the faster path there too)
         stacked = fused and cpu.available("attn-kernel") and cache.k.dtype == torch.float32
+        one_block = end <= bs  # every row's keys in its first block (always so in the slotted cache)
+        if one_block:
+            firsts = [cache.tables[s][0] for s in slots]
+            rows = slice(firsts[0], firsts[0] + B) if firsts == list(range(firsts[0], firsts[0] + B)) else table[:, 0]
+        elif not self.exact and not stacked:
+            at = torch.arange(end, device=dev)
+            keys_at = table[:, at // bs] * bs + at % bs  # [B, end]: flat index of each row's key positions
         if stacked:
             cos, sin = (t[:, :, 0].float().contiguous() for t in ropes[0])
-            taps = self._run_layers(x, cos, sin, cache, slot_idx[:, 0], positions, masks[None], end, features)
+            taps = self._run_layers(x, cos, sin, cache, table, positions, masks[None], end, features)
             x = taps.pop("out")
         for li, w in enumerate([] if stacked else self.layers):
             cos, sin = ropes[w.rope]
             mask, lo = masks[w.window]
-            kc, vc = cache.k[li], cache.v[li]  # [S, max_len, Hkv, D] (MLA: the same tensor)
+            kc, vc = cache.k[li], cache.v[li]  # [N, bs, Hkv, D] (MLA: the same tensor)
             if fused:  # RMSNorm + qkv in one call
                 qk, v = w.wqkv(x, norm=fused[li][0], eps=self.eps).view(B, T, H + 2 * Hkv, -1).split([H + Hkv, Hkv], 2)
                 q, k = _rope(qk, cos, sin).split([H, Hkv], dim=2)
@@ -409,15 +367,19 @@ class LlamaRunner:
                                          w.hidden_norm)  # [B, T, *, D]
             if w.hidden_norm is not None:
                 x = x[..., x.shape[-1] // 2:]
-            kc[slot_idx, positions] = k.to(kc.dtype)
+            kf, vf = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])  # one row per (block, offset)
+            kf[written] = k.to(kc.dtype)
             if vc is not kc:
-                vc[slot_idx, positions] = v.to(vc.dtype)
+                vf[written] = v.to(vc.dtype)
             if self.exact:  # [B, T, H * D]: each query row in one order at every width
-                a = kernels.attention(q, kc, vc, slot_idx[:, 0], None if mask is None else mask[:, 0], lo, end,
+                a = kernels.attention(q, kc, vc, table, None if mask is None else mask[:, 0], lo, end,
                                       self.scaling, self.attn_softcap, attn_kernel, w.sinks)
             else:
-                keys = kc[sl, lo:end] if contiguous else kc[:, lo:end][sl]  # [B, end - lo, Hkv, D]
-                vals = vc[sl, lo:end] if contiguous else vc[:, lo:end][sl]
+                if one_block:  # [B, end - lo, Hkv, D]: views where the rows' blocks are consecutive
+                    keys, vals = (kc[rows, lo:end], vc[rows, lo:end]) if isinstance(rows, slice) else \
+                        (kc[:, lo:end][rows], vc[:, lo:end][rows])
+                else:  # gathered from the rows' blocks
+                    keys, vals = kf[keys_at[:, lo:]], vf[keys_at[:, lo:]]
                 q = q.transpose(1, 2).to(kc.dtype)  # [B, H, T, D]
                 if self.attn_softcap is None and w.sinks is None:
                     a = F.scaled_dot_product_attention(q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
@@ -439,6 +401,7 @@ class LlamaRunner:
                 taps[li] = x.to(self.dtype)
         for s, n in zip(slots, num_new):
             cache.lengths[s] += n
+            cache.trim(s)
         if self.norm is None:
             out = x.to(self.dtype)
         elif fused:  # in the runner's dtype, as every consumer of hidden states takes them
@@ -544,7 +507,7 @@ class LlamaRunner:
             return linear(x, w, b)
         return kernels.apply_plan(lambda c: linear(c, w, b), x, plan)
 
-    def _run_layers(self, x, cos, sin, cache, slots, positions, mask_lo, end, features) -> dict:
+    def _run_layers(self, x, cos, sin, cache, table, positions, mask_lo, end, features) -> dict:
         """Every layer in one call of the block kernel (`fuse_blocks`), attention by the attention kernel's
         `attend_rope` (RoPE at cos, sin [B, T, R] fp32, the KV write, attention) from inside it: {"out": the
         last layer's output (fp32), layer index: its output (the runner's dtype) for each layer in `features`}."""
@@ -552,7 +515,7 @@ class LlamaRunner:
         mask, lo = mask_lo
         taps = [i for i in features if i >= 0]
         outs = kernels.blocks_extension().run_layers(
-            x, w, codes, ns, norms, path, self.eps, cos, sin, cache.k, cache.v, slots, positions,
+            x, w, codes, ns, norms, path, self.eps, cos, sin, cache.k, cache.v, table, positions,
             torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].contiguous(), lo, end, self.n_heads,
             self.scaling, kernels.attend_rope_address(), taps)
         return {"out": outs[0], **{i: t.to(self.dtype) for i, t in zip(taps, outs[1:])}}

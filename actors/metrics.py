@@ -17,6 +17,7 @@ class BatcherStats:
     pipelined_steps: int = 0
     prefill_passes: int = 0
     prefill_tokens: int = 0
+    preemptions: int = 0  # sequences whose KV blocks were taken back (recomputed when readmitted)
     verify_s: float = 0.0  # target pass + acceptance + commit
     prefill_s: float = 0.0
     draft_s: float = 0.0  # drafting not hidden behind a target pass

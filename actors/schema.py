@@ -33,6 +33,7 @@ PREPACK_CHOICES = ("auto", "on", "off")  # CPU weight layout, see actors.build.w
 WEIGHTS_CHOICES = ("auto", "native", "dense")  # a GGUF-born target's weights, see actors/native.py
 EXACT_CHOICES = ("auto", "require", "off")  # row-invariant target passes, see actors.build.with_exact
 AUTO = "auto"  # γ chosen per step by the speculation policy (actors/policy.py)
+KV_BLOCK = 16  # positions per KV block, the default (actors/kv.py; `specd bench --local --paged` measured it)
 AUTO_MAX_GAMMA = 8  # the most the policy proposes per step
 MAX_TREE = 64  # the most nodes a token tree may have
 MAX_REQUEST_ID_BYTES = 128

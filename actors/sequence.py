@@ -6,7 +6,8 @@ search (`beam.py`) and micro-batch pipelining (`pipeline.py`); it imports none o
 Invariants: `tokens` = prompt + committed output. The target KV of `slot` holds every
 committed token but the last one (which is the first input of the next verify pass),
 except while the prompt is still being prefilled (`prefilled < num_prompt`): then it
-holds the first `prefilled` prompt tokens and nothing is committed yet.
+holds the first `prefilled` prompt tokens and nothing is committed yet. A sequence preempted
+for KV blocks (`refill`) gets back the KV of every committed token but the last by a prefill.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class Sequence:
     gen: torch.Generator  # the target-side sampler of this request
     text: TextStream | None  # None without a tokenizer
     mode: Mode = Mode.GREEDY
-    prefilled: int = 0  # prompt tokens in the target KV (chunked prefill)
+    prefilled: int = 0  # prompt tokens in the target KV (chunked prefill; after a preemption: tokens)
+    refill: int | None = None  # preempted: the tokens its KV holds again before it decodes (no new commit)
     view: DraftView = field(default_factory=DraftView)
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
@@ -108,9 +110,15 @@ class Sequence:
         return self.tokens[self.num_prompt:]
 
     @property
+    def fill(self) -> int:
+        """Tokens the target KV holds before the sequence decodes: its prompt, or after a preemption
+        every committed token but the last."""
+        return self.num_prompt if self.refill is None else self.refill
+
+    @property
     def decoding(self) -> bool:
         """Its prompt is in the KV and its first token committed: it takes part in verify steps."""
-        return self.prefilled == self.num_prompt
+        return self.prefilled == self.fill
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from actors.schema import MAX_GAMMA, RESERVED_DRAFTS, Limits
+from actors.schema import KV_BLOCK, MAX_GAMMA, RESERVED_DRAFTS, Limits
 
 LOCAL_CONFIG = Path(__file__).parent / "configs" / "local.yaml"  # one machine: `specd serve`, `make demo`
 
@@ -163,7 +163,14 @@ class DraftConfig(DeploymentSpec):
 
 
 class VerifierConfig(DeploymentSpec):
-    max_batch: int = Field(8, ge=1, le=256, description="sequences verified together (KV slots)")
+    max_batch: int = Field(8, ge=1, le=256, description="sequences verified together (KV slots: cheap handles; the "
+                           "KV itself is blocks from the kv_memory pool)")
+    kv_block: int | None = Field(KV_BLOCK, ge=1, description="positions per KV block of the target's paged cache "
+                                 "(actors/kv.py); null: one block of max_len per slot (the slotted cache)")
+    kv_memory: float | None = Field(None, gt=0, description="the target's KV pool: bytes (> 1), or a fraction (0, 1] "
+                                    "of the memory free once the weights are loaded; null: max_batch x max_len "
+                                    "positions. Requests are admitted while blocks allow, the youngest preempted "
+                                    "(and recomputed later) when a running batch runs out")
     pipeline: bool = Field(False, description="split sequences with remote drafts into two micro-batches and "
                            "verify one while the draft replicas propose for the other (greedy output unchanged; "
                            "VerifierServer.set_pipeline toggles it at run time)")

@@ -104,6 +104,8 @@ class RouterDeployment(Router):
                                  cpu_paths=v["engine"].get("cpu_paths", {}),
                                  exact=bool(v["engine"].get("exact", {}).get("exact")),
                                  exact_reason=v["engine"].get("exact", {}).get("why", ""),
+                                 preemptions=v["batcher"].get("preemptions", 0), **v.get("kv", {}),
+                                 **v.get("memory", {}),
                                  **{f"prefix_cache_{k}": n for k, n in v.get("prefix_cache", {}).items()})
             for name, st in ((v.get("policy") or {}).get("drafters") or {}).items():
                 rep.policy.add(draft=name, gamma=st["gamma"], speculated_share=st["speculated_share"],

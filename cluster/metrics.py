@@ -95,10 +95,10 @@ class VerifierMetrics:
                                         "Verify steps that drafted a token at each draft position", "position")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests")
-        self.running = gauge("num_requests_running", "Requests holding KV slots on this replica")
-        self.waiting = gauge("num_requests_waiting", "Requests queued for KV slots on this replica")
-        self.kv = gauge("kv_cache_usage_perc", "Target KV slots in use over the replica's slots (0..1), by the "
-                                                "draft of the requests holding them")
+        self.running = gauge("num_requests_running", "Requests holding KV on this replica")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for KV blocks (or preempted) on this replica")
+        self.kv = gauge("kv_cache_usage_perc", "Target KV blocks held over the pool's blocks (0..1), by the draft "
+                                                "of the requests holding them")
         self.draft_kv = _draft_kv_gauge(model_name)
         self.gamma = gauge("spec_decode_gamma", "The speculation policy's current gamma per draft (0 = off)")
         self.dtype = gauge("model_dtype_info", "1, labelled with the target's dtype (draft label 'none')", "dtype")
@@ -130,12 +130,12 @@ class VerifierMetrics:
             if st.accepted_per_pos[j]:
                 self.accepted_per_pos.inc(st.accepted_per_pos[j], pos)
 
-    def load(self, running: dict[str, int], waiting: dict[str, int], kv_slots: dict[str, int], kv_total: int,
+    def load(self, running: dict[str, int], waiting: dict[str, int], kv_blocks: dict[str, int], kv_total: int,
              draft_kv: dict[str, float], gamma: dict[str, int]) -> None:
         """The replica's state after a step; per draft (every draft label the replica serves in
         `running`, so a draft whose requests left reads 0). Call it after every step and at least
         every GAUGE_REFRESH_S; unchanged state is re-sent only that often."""
-        state, now = (running, waiting, kv_slots, draft_kv, gamma), time.monotonic()
+        state, now = (running, waiting, kv_blocks, draft_kv, gamma), time.monotonic()
         if state == self._last and now - self._sent < GAUGE_REFRESH_S:
             return
         self._last, self._sent = state, now
@@ -144,7 +144,7 @@ class VerifierMetrics:
             tags = {"draft": d}
             self.running.set(running[d], tags)
             self.waiting.set(waiting.get(d, 0), tags)
-            self.kv.set(kv_slots.get(d, 0) / kv_total, tags)
+            self.kv.set(kv_blocks.get(d, 0) / kv_total, tags)
         for d, used in draft_kv.items():
             self.draft_kv.set(used, {"draft": d})
         for d, g in gamma.items():

@@ -96,7 +96,7 @@ class VerifierServer:
                              device=cfg.device, compile=v.compile, extra_drafters=remote, pipeline=v.pipeline,
                              prefill_chunk=v.prefill_chunk, tune_profile=v.tune_profile, quant=v.quant,
                              draft_quant={d.name: d.quant for d in cfg.drafts if not d.remote}, prepack=cfg.prepack,
-                             weights=cfg.weights, exact=cfg.exact,
+                             weights=cfg.weights, exact=cfg.exact, kv_block=v.kv_block, kv_memory=v.kv_memory,
                              default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
@@ -168,7 +168,8 @@ class VerifierServer:
         return {"replica_id": self.replica, "running": len(eng.active), "waiting": eng.num_waiting(),
                 "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch,
                 "draft_kv_slots_in_use": sum(used for used, _ in self._colocated_kv().values()),
-                "recent_acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0}
+                "recent_acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
+                "kv_blocks_free": eng.cache.free_blocks, "kv_blocks_total": eng.cache.num_blocks}
 
     async def stats(self) -> dict:
         eng = self.engine
@@ -177,10 +178,17 @@ class VerifierServer:
                 "kv_slots_in_use": eng.kv_slots_in_use(), "kv_slots_total": eng.max_batch, "steps": self.loop.steps,
                 "spec": eng.stats.to_dict(), "pipeline": eng.pipeline, "batcher": eng.batcher.to_dict(),
                 "loop": self.loop.to_dict(), "batcher_tid": self._thread.native_id,
-                "prefix_cache": eng.prefix.counts(),
+                "prefix_cache": eng.prefix.counts(), "kv": eng.kv_usage(), "memory": self.memory(),
                 "engine": eng.info, "policy": eng.policy.state() if eng.policy is not None else None,
                 "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
                                   if isinstance(d, RemoteDrafter)}}
+
+    def memory(self) -> dict:
+        """This process's resident bytes, and of them the weights (the target's and colocated drafts')."""
+        import psutil
+
+        return {"rss_bytes": psutil.Process().memory_info().rss,
+                "weights_bytes": sum(part["weights"] for part in self.engine.info.get("memory", {}).values())}
 
     async def check_health(self) -> None:
         if not self._thread.is_alive():
@@ -188,19 +196,20 @@ class VerifierServer:
 
     # ---- the batcher thread ------------------------------------------------------------------------
     def _export_load(self) -> None:
-        """Running and waiting requests, and target KV slots, per draft the requests named; the
-        colocated drafts' KV; the policy's γ per draft (to the metrics)."""
+        """Running and waiting requests, and the target KV blocks they hold, per draft the requests
+        named; the colocated drafts' KV; the policy's γ per draft (to the metrics)."""
         eng = self.engine
-        running, waiting, slots = dict.fromkeys(self.draft_labels, 0), {}, {}
+        running, waiting, blocks = dict.fromkeys(self.draft_labels, 0), {}, {}
         for s in eng.active.values():
             d = s.req.speculation.draft
             running[d] = running.get(d, 0) + 1
-            slots[d] = slots.get(d, 0) + (len(s.beam.members) if s.beam is not None else 1)
+            blocks[d] = blocks.get(d, 0) + sum(len(eng.cache.tables[m.slot])
+                                               for m in (s.beam.members if s.beam is not None else [s]))
         for _, r in eng.waiting:
             waiting[r.speculation.draft] = waiting.get(r.speculation.draft, 0) + 1
         draft_kv = {name: used / total for name, (used, total) in self._colocated_kv().items()}
         gamma = {name: e.gamma for name, e in eng.policy.est.items()} if eng.policy is not None else {}
-        self.metrics.load(running, waiting, slots, eng.max_batch, draft_kv, gamma)
+        self.metrics.load(running, waiting, blocks, eng.cache.num_blocks, draft_kv, gamma)
         self.metrics.prefix_cache(eng.prefix.queries, eng.prefix.hits)
 
     @staticmethod

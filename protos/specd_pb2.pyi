@@ -201,7 +201,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica_id", "running", "waiting", "kv_slots_in_use", "kv_slots_total", "draft_kv_slots_in_use", "recent_acceptance")
+    __slots__ = ("replica_id", "running", "waiting", "kv_slots_in_use", "kv_slots_total", "draft_kv_slots_in_use", "recent_acceptance", "kv_blocks_free", "kv_blocks_total")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class ReplicaLoad(_message.Message):
     KV_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     RECENT_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     running: int
     waiting: int
@@ -216,7 +218,9 @@ class ReplicaLoad(_message.Message):
     kv_slots_total: int
     draft_kv_slots_in_use: int
     recent_acceptance: float
-    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., draft_kv_slots_in_use: _Optional[int] = ..., recent_acceptance: _Optional[float] = ...) -> None: ...
+    kv_blocks_free: int
+    kv_blocks_total: int
+    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., draft_kv_slots_in_use: _Optional[int] = ..., recent_acceptance: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("replicas",)
@@ -229,7 +233,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_requests", "prefix_cache_hit_requests", "prefix_cache_slots", "exact", "exact_reason")
+    __slots__ = ("replica_id", "role", "active_sequences", "kv_slots_in_use", "kv_slots_total", "dtype", "dtype_reason", "hardware", "policy", "prepacked", "cpu_paths", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_requests", "prefix_cache_hit_requests", "prefix_cache_slots", "exact", "exact_reason", "kv_blocks_free", "kv_blocks_total", "kv_block_size", "kv_bytes_reserved", "kv_bytes_used", "preemptions", "rss_bytes", "weights_bytes")
     class CpuPathsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +259,14 @@ class ReplicaStats(_message.Message):
     PREFIX_CACHE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
     EXACT_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     active_sequences: int
@@ -273,7 +285,15 @@ class ReplicaStats(_message.Message):
     prefix_cache_slots: int
     exact: bool
     exact_reason: str
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_requests: _Optional[int] = ..., prefix_cache_hit_requests: _Optional[int] = ..., prefix_cache_slots: _Optional[int] = ..., exact: _Optional[bool] = ..., exact_reason: _Optional[str] = ...) -> None: ...
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_block_size: int
+    kv_bytes_reserved: int
+    kv_bytes_used: int
+    preemptions: int
+    rss_bytes: int
+    weights_bytes: int
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., active_sequences: _Optional[int] = ..., kv_slots_in_use: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., hardware: _Optional[str] = ..., policy: _Optional[_Iterable[_Union[DraftPolicy, _Mapping]]] = ..., prepacked: _Optional[bool] = ..., cpu_paths: _Optional[_Mapping[str, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_requests: _Optional[int] = ..., prefix_cache_hit_requests: _Optional[int] = ..., prefix_cache_slots: _Optional[int] = ..., exact: _Optional[bool] = ..., exact_reason: _Optional[str] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., preemptions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
     __slots__ = ("draft", "gamma", "speculated_share", "acceptance", "steps", "speculated_steps")

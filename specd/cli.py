@@ -196,6 +196,11 @@ def _parser() -> argparse.ArgumentParser:
                         "its dense twin: verify-pass curves at 1 and 8 rows × 1-16 tokens, and n-gram and truncated "
                         "self-drafts at γ 4 and γ auto against γ 0, median of --rounds (default 3); writes "
                         "out/bench_moe.json (specd/bench/moe.py)")
+    b.add_argument("--paged", action="store_true",
+                   help="--local: only the paged KV cache against the slotted one: decode at batch 1 and 8 per block "
+                        "size, a mixed-length workload (64 requests, prompts 100-4,000 tokens) at equal KV memory, "
+                        "and the prefix cache's TTFT on the agent sessions; median of --rounds (default 3); writes "
+                        "out/bench_paged.json (specd/bench/paged.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -459,6 +464,10 @@ def _bench(args) -> int:
         from .bench import moe
 
         return moe.main(args)
+    if args.paged:
+        from .bench import paged
+
+        return paged.main(args)
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
@@ -518,6 +527,16 @@ def _demo(args) -> int:
     return _demo_local(args) if args.local else _demo_cluster(args)
 
 
+def memory_summary(r, idle_rss: int) -> str:
+    """A verifier's memory: resident bytes idle and now, against weights + its KV pool + 1 GiB."""
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    bound = r.weights_bytes + r.kv_bytes_reserved + 2**30
+    return (f"verifier {r.replica_id.split('#')[-1]} memory: RSS {gib(idle_rss)} idle, {gib(r.rss_bytes)} now; weights "
+            f"{gib(r.weights_bytes)}, KV pool {gib(r.kv_bytes_reserved)} ({r.kv_blocks_total} blocks of "
+            f"{r.kv_block_size}), KV held {gib(r.kv_bytes_used)}, {r.preemptions} preemptions; idle RSS "
+            f"{'within' if idle_rss <= bound else 'ABOVE'} weights + KV pool + 1 GiB ({gib(bound)})")
+
+
 def _demo_cluster(args) -> int:
     """Start the cluster from the config, stream answers through the SDK, time every draft against
     none (interleaved), one concurrent burst, then shut the cluster down."""
@@ -548,10 +567,12 @@ def _demo_cluster(args) -> int:
             roles = [f"{r.role} {r.replica_id.split('#')[-1]}" for r in reps]
             print(f"[specd demo] serving on grpc://{addr} after {time.perf_counter() - t0:.0f} s "
                   f"(replicas: {', '.join(roles)})", flush=True)
+            idle_rss = {}
             for r in reps:
                 if r.role == "verifier":
                     print(f"[specd demo] verifier on {r.hardware}\n[specd demo] target {r.dtype_reason}",
                           flush=True)
+                    idle_rss[r.replica_id] = r.rss_bytes
             msgs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
 
             gammas = {d.name: d.default_gamma for d in cfg.drafts}
@@ -627,6 +648,9 @@ def _demo_cluster(args) -> int:
             n = sum(b[0] for b in burst)
             print(f"  all {len(burst)} questions at once ({args.draft}): {n / dt:.1f} tok/s in total "
                   f"(continuous batching in the verifier)", flush=True)
+            for r in client.stats().replicas:
+                if r.role == "verifier":
+                    print("  " + memory_summary(r, idle_rss[r.replica_id]), flush=True)
     except KeyboardInterrupt:
         print("\n[specd demo] interrupted", flush=True)
     finally:

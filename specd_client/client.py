@@ -161,6 +161,16 @@ class ReplicaStats:
     # output, bit for bit), and why or why not
     exact: bool = False
     exact_reason: str = ""
+    # verifiers: the target's paged KV cache: blocks free and in all, positions per block, bytes of
+    # the pool and of the blocks held; running sequences preempted for blocks (recomputed, not lost)
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    kv_block_size: int = 0
+    kv_bytes_reserved: int = 0
+    kv_bytes_used: int = 0
+    preemptions: int = 0
+    rss_bytes: int = 0  # the replica process's resident memory, and of it the weights
+    weights_bytes: int = 0
 
 
 @dataclass
@@ -173,6 +183,8 @@ class ReplicaLoad:
     kv_slots_total: int
     draft_kv_slots_in_use: int
     recent_acceptance: float
+    kv_blocks_free: int = 0  # the target's KV blocks free now, and in all (admission reads these)
+    kv_blocks_total: int = 0
 
 
 @dataclass
@@ -249,7 +261,8 @@ def _chunk(r: specd_pb2.GenerateResponse) -> Chunk:
 
 def _load(r: specd_pb2.LoadResponse) -> list[ReplicaLoad]:
     return [ReplicaLoad(x.replica_id, x.running, x.waiting, x.kv_slots_in_use, x.kv_slots_total,
-                        x.draft_kv_slots_in_use, x.recent_acceptance) for x in r.replicas]
+                        x.draft_kv_slots_in_use, x.recent_acceptance, x.kv_blocks_free, x.kv_blocks_total)
+            for x in r.replicas]
 
 
 def _stats(r: specd_pb2.StatsResponse) -> Stats:
@@ -264,7 +277,9 @@ def _stats(r: specd_pb2.StatsResponse) -> Stats:
                                                    "speculated_steps": p.speculated_steps} for p in x.policy},
                                         x.prepacked, dict(x.cpu_paths), x.prefix_cache_queries,
                                         x.prefix_cache_hits, x.prefix_cache_requests, x.prefix_cache_hit_requests,
-                                        x.prefix_cache_slots, x.exact, x.exact_reason)
+                                        x.prefix_cache_slots, x.exact, x.exact_reason, x.kv_blocks_free,
+                                        x.kv_blocks_total, x.kv_block_size, x.kv_bytes_reserved, x.kv_bytes_used,
+                                        x.preemptions, x.rss_bytes, x.weights_bytes)
                            for x in r.replicas],
                  uptime_seconds=r.uptime_seconds, failovers_total=r.failovers_total)
 

@@ -228,19 +228,19 @@ def amx_trial() -> None:
             sys.exit(3)
 
 
-def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, mask: torch.Tensor | None,
               lo: int, end: int, scale: float, softcap: float | None = None, compiled: bool = True,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Each query row over its visible keys, in one order at every width.
-    q [B, T, H, D]; kc, vc [S, L, Hkv, D] (one layer's cache); slots int64 [B]; mask bool [B, T, end - lo]
-    or None (every key in [lo, end) visible); compiled: whether the kernel may run (the caller's
-    `cpu.available("attn-kernel")`); sinks [H]: gpt-oss's sink logits (per row, not in the kernel).
-    Returns [B, T, H * D] in kc's dtype."""
+    q [B, T, H, D]; kc, vc [N, bs, Hkv, D] (one layer's cache of N blocks, `actors.kv`); table int64 [B, P]:
+    row b's position p in block table[b, p // bs]; mask bool [B, T, end - lo] or None (every key in [lo, end)
+    visible); compiled: whether the kernel may run (the caller's `cpu.available("attn-kernel")`); sinks [H]:
+    gpt-oss's sink logits (per row, not in the kernel). Returns [B, T, H * D] in kc's dtype."""
     q = q.to(kc.dtype)
     if compiled and kc.device.type == "cpu" and kc.dtype == torch.float32 and sinks is None:
         m = torch.empty(0, dtype=torch.bool) if mask is None else mask.contiguous()
-        return extension().attend(q, kc, vc, slots, m, lo, end, scale, softcap or 0.0)
-    return attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap, sinks)
+        return extension().attend(q, kc, vc, table, m, lo, end, scale, softcap or 0.0)
+    return attention_per_row(q, kc, vc, table, mask, lo, end, scale, softcap, sinks)
 
 
 @functools.cache
@@ -249,20 +249,21 @@ def attend_rope_address() -> int:
     return extension().attend_rope_address()
 
 
-def attention_per_row(q, kc, vc, slots, mask, lo, end, scale, softcap=None, sinks=None) -> torch.Tensor:
+def attention_per_row(q, kc, vc, table, mask, lo, end, scale, softcap=None, sinks=None) -> torch.Tensor:
     """`attention` as one SDPA call per query row over exactly its visible keys, gathered into a
     fresh [1, Hkv, n, D] block: the same call (shapes, strides, values) for a row at every width.
     (Gemma2's soft-capped scores and gpt-oss's sinks: the eager softmax over them, also per row.)"""
     B, T, H, D = q.shape
-    Hkv = kc.shape[2]
+    bs, Hkv = kc.shape[1], kc.shape[2]
+    kf, vf = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)  # one row per (block, offset)
     out = q.new_empty(B, T, H * D)
     keys = torch.arange(lo, end, device=kc.device)
+    at = table[:, keys // bs] * bs + keys % bs  # [B, end - lo]: where each row's keys are
     for b in range(B):
-        slot = int(slots[b])
         for t in range(T):
-            idx = keys if mask is None else keys[mask[b, t]]
-            k = kc[slot].index_select(0, idx).transpose(0, 1)[None]  # [1, Hkv, n, D]
-            v = vc[slot].index_select(0, idx).transpose(0, 1)[None]
+            idx = at[b] if mask is None else at[b][mask[b, t]]
+            k = kf.index_select(0, idx).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            v = vf.index_select(0, idx).transpose(0, 1)[None]
             qr = q[b, t][None, :, None, :]  # [1, H, 1, D]
             if sinks is not None:
                 s = torch.matmul(qr.reshape(1, Hkv, H // Hkv, D), k.transpose(2, 3)) * scale
@@ -287,12 +288,12 @@ def trial() -> None:
         raise RuntimeError("the attention kernel could not be built (see the log)")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 4, 16, generator=g)
-    kc, vc = torch.randn(3, 8, 2, 16, generator=g), torch.randn(3, 8, 2, 16, generator=g)
-    slots = torch.tensor([2, 0])
+    kc, vc = torch.randn(5, 4, 2, 16, generator=g), torch.randn(5, 4, 2, 16, generator=g)  # blocks of 4 positions
+    table = torch.tensor([[3, 0], [1, 4]])
     mask = torch.rand(2, 3, 6, generator=g) > 0.3
     mask[..., 0] = True
-    got = ext.attend(q, kc, vc, slots, mask, 1, 7, 0.25, 0.0)
-    want = attention_per_row(q, kc, vc, slots, mask, 1, 7, 0.25)
+    got = ext.attend(q, kc, vc, table, mask, 1, 7, 0.25, 0.0)
+    want = attention_per_row(q, kc, vc, table, mask, 1, 7, 0.25)
     if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
         raise RuntimeError(f"computed {got.flatten()[:3].tolist()}, expected {want.flatten()[:3].tolist()}")
 

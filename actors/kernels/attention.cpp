@@ -1,4 +1,4 @@
-// Row-invariant attention over the runner's slotted KV cache (actors/kernels/__init__.py).
+// Row-invariant attention over the runner's KV cache of blocks (actors/kv.py, actors/kernels/__init__.py).
 //
 // One query row is computed in one fixed order, whatever the width of the pass or the batch it
 // sits in: its visible keys in increasing cache position; each score a dot product over D with
@@ -95,12 +95,12 @@ inline vf exp_lanes(vf x) {
 // out[n][0..D) = sum over keys j of p[n][j] * v_j[0..D), in key order, for N queries at once (their
 // weights p are 0 at keys they do not see: adding an exact zero changes no sum). For D a multiple of
 // LANES up to 128 the accumulators live in registers (NC chunks of LANES); else in memory, same
-// arithmetic.
+// arithmetic. Key j's values start at v + offs[j] (its block's row).
 template <int N, int NC>
-inline void weigh_chunks(const float* const* p, const float* v, int64_t vstride, int64_t n, float* const* out) {
+inline void weigh_chunks(const float* const* p, const float* v, const int64_t* offs, int64_t n, float* const* out) {
   vf a[N][NC] = {};
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + j * vstride;
+    const float* vr = v + offs[j];
     for (int c = 0; c < NC; ++c) {
       const vf vv = load(vr + c * LANES);
       for (int q = 0; q < N; ++q) a[q][c] += p[q][j] * vv;
@@ -110,36 +110,39 @@ inline void weigh_chunks(const float* const* p, const float* v, int64_t vstride,
 }
 
 template <int N>
-inline void weigh(const float* const* p, const float* v, int64_t vstride, int64_t n, int64_t D, float* const* out) {
+inline void weigh(const float* const* p, const float* v, const int64_t* offs, int64_t n, int64_t D,
+                  float* const* out) {
   switch (D % LANES ? 0 : D / LANES) {
-    case 4: return weigh_chunks<N, 4>(p, v, vstride, n, out);
-    case 8: return weigh_chunks<N, 8>(p, v, vstride, n, out);
-    case 2: return weigh_chunks<N, 2>(p, v, vstride, n, out);
+    case 4: return weigh_chunks<N, 4>(p, v, offs, n, out);
+    case 8: return weigh_chunks<N, 8>(p, v, offs, n, out);
+    case 2: return weigh_chunks<N, 2>(p, v, offs, n, out);
     default: break;
   }
   for (int q = 0; q < N; ++q) std::fill(out[q], out[q] + D, 0.f);
   for (int64_t j = 0; j < n; ++j)
     for (int q = 0; q < N; ++q)
-      for (int64_t d = 0; d < D; ++d) out[q][d] += p[q][j] * v[j * vstride + d];
+      for (int64_t d = 0; d < D; ++d) out[q][d] += p[q][j] * v[offs[j] + d];
 }
 
 }  // namespace
 
-// q [B, T, H, D] fp32 (any strides, D contiguous); kc, vc [S, L, Hkv, D] fp32 (one layer's cache,
-// contiguous); slots int64 [B]; mask bool [B, T, end - lo] or empty (every key of [lo, end) visible).
-// Returns [B, T, H * D] fp32.
+// q [B, T, H, D] fp32 (any strides, D contiguous); kc, vc [N, bs, Hkv, D] fp32 (one layer's cache: N blocks
+// of bs positions, contiguous); table int64 [B, P]: row b's position p lives in block table[b][p / bs] at
+// p % bs; mask bool [B, T, end - lo] or empty (every key of [lo, end) visible). Returns [B, T, H * D] fp32.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                     const torch::Tensor& slots, const torch::Tensor& mask, int64_t lo, int64_t end,
+                     const torch::Tensor& table, const torch::Tensor& mask, int64_t lo, int64_t end,
                      double scale, double softcap) {
   RECORD_FUNCTION("specd::attention", std::vector<c10::IValue>());  // what the profiler shows
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q: [B, T, H, D] fp32");
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
-              vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [S, L, Hkv, D] fp32");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64 [B]");
+              vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [N, bs, Hkv, D] fp32");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(), "table: int64 [B, P]");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t L = kc.size(1), Hkv = kc.size(2), S = end - lo;
-  TORCH_CHECK(kc.size(3) == D && H % Hkv == 0 && slots.size(0) == B, "shapes disagree");
-  TORCH_CHECK(0 <= lo && lo <= end && end <= L, "keys [lo, end) outside the cache");
+  const int64_t NB = kc.size(0), bs = kc.size(1), Hkv = kc.size(2), S = end - lo, P = table.size(1);
+  TORCH_CHECK(kc.size(3) == D && H % Hkv == 0 && table.size(0) == B, "shapes disagree");
+  TORCH_CHECK(0 <= lo && lo <= end && end <= P * bs, "keys [lo, end) outside the block table");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * P; ++i) TORCH_CHECK(0 <= tp[i] && tp[i] < NB, "block ", tp[i], " outside the cache");
   const bool masked = mask.numel() > 0;
   if (masked)
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 3 &&
@@ -148,11 +151,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const int64_t ks0 = L * Hkv * D, ks1 = Hkv * D;
+  const int64_t ks1 = Hkv * D;
   const int64_t rep = H / Hkv;
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // Work units: (row, KV head, a group of up to QG of the row's T * rep queries that read that KV head).
@@ -164,10 +166,12 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
   const int64_t cap_s = (S + LANES - 1) / LANES * LANES + LANES;
   at::parallel_for(0, B * Hkv * groups, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> dense(4 * cap_s), compact(cap_s), acc(4 * D);
+    std::vector<int64_t> offs(S);
     for (int64_t u = begin; u < stop; ++u) {
-      const int64_t b = u / (Hkv * groups), kvh = u / groups % Hkv, g = u % groups, slot = sp[b];
-      const float* kb = kp + slot * ks0 + kvh * D;
-      const float* vb = vp + slot * ks0 + kvh * D;
+      const int64_t b = u / (Hkv * groups), kvh = u / groups % Hkv, g = u % groups;
+      const int64_t* tb = tp + b * P;
+      const float* kb = kp + kvh * D;
+      const float* vb = vp + kvh * D;
       const int64_t q0 = g * QG, nqg = std::min(QG, nq - q0);
       const float* qs[4];
       const bool* ms[4];
@@ -189,8 +193,13 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
         jhi = std::max(jhi, z);
       }
       const int64_t n = std::max<int64_t>(jhi - jlo, 0);
+      for (int64_t j = 0; j < n;) {  // where key jlo + j's row starts, block by block
+        const int64_t p = jlo + j, o = p % bs, run = std::min(bs - o, n - j), at = (tb[p / bs] * bs + o) * ks1;
+        for (int64_t r = 0; r < run; ++r) offs[j + r] = at + r * ks1;
+        j += run;
+      }
       for (int64_t j = 0; j < n; ++j) {  // every pair's score, the key's loads shared
-        const float* k = kb + (jlo + j) * ks1;
+        const float* k = kb + offs[j];
         switch (nqg) {
           case 4: dots<4>(qs, k, D, ps, j); break;
           case 3: dots<3>(qs, k, D, ps, j); break;
@@ -223,12 +232,11 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
         sums[i] = combine(lanes);
         for (int64_t j = 0, r = 0; j < n; ++j) p[j] = (mr && !mr[j]) ? 0.f : compact[r++];  // back by key
       }
-      const float* v0 = vb + jlo * ks1;
       switch (nqg) {
-        case 4: weigh<4>(ps, v0, ks1, n, D, os); break;
-        case 3: weigh<3>(ps, v0, ks1, n, D, os); break;
-        case 2: weigh<2>(ps, v0, ks1, n, D, os); break;
-        default: weigh<1>(ps, v0, ks1, n, D, os);
+        case 4: weigh<4>(ps, vb, offs.data(), n, D, os); break;
+        case 3: weigh<3>(ps, vb, offs.data(), n, D, os); break;
+        case 2: weigh<2>(ps, vb, offs.data(), n, D, os); break;
+        default: weigh<1>(ps, vb, offs.data(), n, D, os);
       }
       for (int64_t i = 0; i < nqg; ++i) {
         const int64_t t = (q0 + i) / rep, h = kvh * rep + (q0 + i) % rep;
@@ -244,16 +252,20 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
 // into heads; the query and key heads are rotated (HF's rotate_half RoPE over the first R dims: x *
 // cos + rotate_half(x) * sin, per element, with cos, sin [B, T, R] fp32 at each token's RoPE
 // position); the keys and values are written into kc, vc at cache positions [B, T] (int64) of each
-// row's slot; then attention as `attend`. One call for what takes a dozen small ops otherwise.
+// row's blocks (`table`, as `attend` reads it); then attention as `attend`. One call for what takes a
+// dozen small ops otherwise.
 torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                          torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slots,
+                          torch::Tensor kc, torch::Tensor vc, const torch::Tensor& table,
                           const torch::Tensor& positions, const torch::Tensor& mask, int64_t lo, int64_t end,
                           int64_t H, double scale, double softcap) {
   RECORD_FUNCTION("specd::rope_kv_write", std::vector<c10::IValue>());
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "qkv: contiguous fp32 [B, T, *]");
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
-              vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [S, L, Hkv, D] fp32");
-  const int64_t B = qkv.size(0), T = qkv.size(1), L = kc.size(1), Hkv = kc.size(2), D = kc.size(3);
+              vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat, "kc, vc: contiguous [N, bs, Hkv, D] fp32");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
+              table.size(0) == qkv.size(0), "table: int64 [B, P]");
+  const int64_t B = qkv.size(0), T = qkv.size(1), bs = kc.size(1), Hkv = kc.size(2), D = kc.size(3);
+  const int64_t NB = kc.size(0), P = table.size(1);
   TORCH_CHECK(qkv.size(2) == (H + 2 * Hkv) * D, "qkv has ", qkv.size(2), " features, expected (H + 2 Hkv) D");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.numel() == sin.numel() && cos.numel() % (B * T) == 0, "cos, sin: fp32 [B, T, R]");
@@ -266,18 +278,21 @@ torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, co
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* pp = positions.data_ptr<int64_t>();
-  const int64_t* slp = slots.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
   float* kp = kc.data_ptr<float>();
   float* vp = vc.data_ptr<float>();
-  for (int64_t i = 0; i < B * T; ++i)
-    TORCH_CHECK(0 <= pp[i] && pp[i] < L, "cache position ", pp[i], " outside [0, ", L, ")");
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(0 <= pp[i] && pp[i] < P * bs, "cache position ", pp[i], " outside the block table (", P * bs, ")");
+    const int64_t blk = tp[i / T * P + pp[i] / bs];
+    TORCH_CHECK(0 <= blk && blk < NB, "block ", blk, " outside the cache");
+  }
   at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t stop) {
     for (int64_t i = begin; i < stop; ++i) {
       const float* row = src + i * (H + 2 * Hkv) * D;
       const float* c = cp + i * R;
       const float* s = sp + i * R;
-      const int64_t base = (slp[i / T] * L + pp[i]) * Hkv * D;
+      const int64_t base = (tp[i / T * P + pp[i] / bs] * bs + pp[i] % bs) * Hkv * D;
       for (int64_t h = 0; h < H + Hkv; ++h) {
         const float* x = row + h * D;
         float* y = h < H ? qp + (i * H + h) * D : kp + base + (h - H) * D;
@@ -290,12 +305,12 @@ torch::Tensor attend_rope(const torch::Tensor& qkv, const torch::Tensor& cos, co
       std::memcpy(vp + base, row + (H + Hkv) * D, Hkv * D * sizeof(float));
     }
   });
-  return attend(q, kc, vc, slots, mask, lo, end, scale, softcap);
+  return attend(q, kc, vc, table, mask, lo, end, scale, softcap);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as ATen's ops (and blocks.cpp's) run
-  m.def("attend", &attend, "row-invariant attention over a slotted KV cache",
+  m.def("attend", &attend, "row-invariant attention over a KV cache of blocks",
         py::call_guard<py::gil_scoped_release>());
   // RoPE, the KV write and attention from a fused qkv, for the block kernel's layer loop (blocks.cpp
   // run_layers), which calls it by address, without a trip through Python

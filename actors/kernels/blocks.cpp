@@ -559,13 +559,14 @@ using AttendRope = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&,
 // RMSNorm + qkv, then RoPE + the KV write + attention (attention.cpp's attend_rope, by its address), the
 // output projection + residual, RMSNorm + gate/up, SiLU(gate) * up, down + residual. x [B, T, E] fp32;
 // w: per layer the (tiles, scales) of qkv, o, gate/up, down; kinds, ns: per layer their kind and outputs;
-// norms: per layer the attention and MLP norm weights (fp32); kc, vc [L, S, len, Hkv, D]. Returns the last
+// norms: per layer the attention and MLP norm weights (fp32); kc, vc [L, N, bs, Hkv, D] with each row's
+// blocks in table int64 [B, P] (attention.cpp's `attend`). Returns the last
 // layer's output, then the outputs of the layers in `taps`, in that order.
 std::vector<torch::Tensor> run_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
                                       const std::vector<int64_t>& kinds, const std::vector<int64_t>& ns,
                                       const std::vector<torch::Tensor>& norms, int64_t path, double eps,
                                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kc,
-                                      const torch::Tensor& vc, const torch::Tensor& slots,
+                                      const torch::Tensor& vc, const torch::Tensor& table,
                                       const torch::Tensor& positions, const torch::Tensor& mask, int64_t lo,
                                       int64_t end, int64_t H, double scale, int64_t attend_address,
                                       const std::vector<int64_t>& taps) {
@@ -579,7 +580,7 @@ std::vector<torch::Tensor> run_layers(torch::Tensor x, const std::vector<torch::
     const int64_t* k = kinds.data() + 4 * l;
     const int64_t* n = ns.data() + 4 * l;
     const auto qkv = matmul(x, lw[0], lw[1], k[0], n[0], path, norms[2 * l], eps, c10::nullopt);
-    const auto a = attend(qkv, cos, sin, kc.select(0, l), vc.select(0, l), slots, positions, mask, lo, end, H,
+    const auto a = attend(qkv, cos, sin, kc.select(0, l), vc.select(0, l), table, positions, mask, lo, end, H,
                           scale, 0.0);
     x = matmul(a, lw[2], lw[3], k[1], n[1], path, c10::nullopt, 0.0, x);
     const auto gu = matmul(x, lw[4], lw[5], k[2], n[2], path, norms[2 * l + 1], eps, c10::nullopt);

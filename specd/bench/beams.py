@@ -45,8 +45,7 @@ def run_beams(model: str = "smollm2", beams=(2, 4), drafts=("ngram", "default"),
     tok, hf = target.tokenizer, target.model
     ids = [encode_prompt(tok, prompt=p.get("prompt"), messages=p.get("messages")) for p in prompts]
     eos = sorted(target.eos_token_ids)
-    k = eng.cache.k  # [layers, slots, max_len, kv heads, head dim]: K and V per position, every layer
-    kv_bytes_per_position = 2 * k.shape[0] * k.shape[3] * k.shape[4] * k.element_size()
+    kv_bytes_per_position = eng.target.bytes_per_position(eng.cache.k.dtype)
 
     configs = [("hf", None, 0, None), ("engine", "none", 0, None)]
     for spec in drafts:
@@ -109,9 +108,7 @@ def run_beams(model: str = "smollm2", beams=(2, 4), drafts=("ngram", "default"),
         res["speedup_vs_engine_no_spec"] = res["tokens_per_s"] / same["engine"] if same.get("engine") else None
     return {"model": model, "dtype": built.dtype, "hardware": eng.info.get("hardware"), "gamma": gamma,
             "max_tokens": max_tokens, "prompts": len(ids), "threads": torch.get_num_threads(),
-            "kv": {"bytes_per_position": kv_bytes_per_position, "slot_positions": eng.cache.max_len,
-                   "reserved_per_request_mib": {B: B * eng.cache.max_len * kv_bytes_per_position / 2**20
-                                                for B in beams}},
+            "kv": {"bytes_per_position": kv_bytes_per_position, "block_positions": eng.cache.block_size},
             "results": results}
 
 
@@ -136,9 +133,8 @@ def render(rep: dict) -> str:
     buf = StringIO()
     Console(file=buf, width=160).print(t)
     kv = rep["kv"]
-    reserved = ", ".join(f"B={b}: {m:.1f} MiB" for b, m in kv["reserved_per_request_mib"].items())
     buf.write(f"hardware: {rep['hardware']}, {rep['threads']} threads\n"
-              f"KV: {kv['bytes_per_position']} bytes per position; a beam request reserves B slots of "
-              f"{kv['slot_positions']} positions ({reserved}); KV positions copied: at forks for the engine "
-              "(copy-on-fork), the whole cache of every beam at every step for HF (its cache reorder)\n")
+              f"KV: {kv['bytes_per_position']} bytes per position, blocks of {kv['block_positions']} positions; "
+              "the beams share their prompt's blocks. KV positions copied: at forks and copy-on-write for the "
+              "engine, the whole cache of every beam at every step for HF (its cache reorder)\n")
     return buf.getvalue()

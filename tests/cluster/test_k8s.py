@@ -113,6 +113,15 @@ QWEN3_30B_A3B = dict(num_hidden_layers=48, num_key_value_heads=4, head_dim=128, 
 H200_BYTES = 141e9
 
 
+def _kv_and_features(cfg, m) -> tuple[int, int]:
+    """The verifier's KV pool in bytes (sized by memory: at least one max_len sequence, and less than the
+    slotted cache of max_batch x max_len it replaces) and its EAGLE-3 head's per-slot target features."""
+    per_position = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 2
+    kv = cfg.verifier.kv_memory
+    assert cfg.max_len * per_position < kv < cfg.verifier.max_batch * cfg.max_len * per_position
+    return kv, cfg.verifier.max_batch * (cfg.max_len + 17) * 3 * m["hidden_size"] * 2
+
+
 def test_moe_example_is_sized_for_its_gpu():
     """k8s/cluster-qwen3-30b-a3b.yaml: a hub MoE in bf16 on CUDA with an EAGLE-3 head inside the verifier;
     all experts' weights + the KV cache fit the H200 it asks for, and would not fit an H100; the RayService
@@ -126,8 +135,8 @@ def test_moe_example_is_sized_for_its_gpu():
     assert cfg.verifier.resources.num_gpus == 1 and cfg.verifier.resources.accelerator_type == "H200"
     m = QWEN3_30B_A3B
     weights = 2 * m["params"] + 2 * 32000 * 2048 + 2 * 4 * 2048 * 2048  # + the head's LM head and layer
-    kv = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 2 * cfg.verifier.max_batch * cfg.max_len
-    assert weights + kv < 0.8 * H200_BYTES and weights + kv > 0.8 * H100_BYTES, (weights / 1e9, kv / 1e9)
+    kv, features = _kv_and_features(cfg, m)
+    assert weights + kv + features < 0.8 * H200_BYTES and weights + kv > 0.8 * H100_BYTES, (weights / 1e9, kv / 1e9)
     svc, = [d for d in docs(K8S / "rayservice-qwen3-30b-a3b.yaml") if d.get("kind") == "RayService"]
     assert "config: k8s/cluster-qwen3-30b-a3b.yaml" in svc["spec"]["serveConfigV2"]
     verifier, = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
@@ -153,8 +162,8 @@ def test_real_model_example_is_sized_for_its_gpu():
     assert cfg.verifier.resources.num_gpus == 1 and cfg.verifier.resources.accelerator_type == "H100"
     m = LLAMA31_8B
     weights = 2 * m["params"] + 2 * (m["vocab_size"] // 4 + 4 * m["hidden_size"]) * m["hidden_size"]  # + head
-    kv = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 2 * cfg.verifier.max_batch * cfg.max_len
-    assert weights + kv < 0.8 * H100_BYTES, (weights / 1e9, kv / 1e9)
+    kv, features = _kv_and_features(cfg, m)
+    assert weights + kv + features < 0.8 * H100_BYTES, (weights / 1e9, kv / 1e9, features / 1e9)
     svc, = [d for d in docs(K8S / "rayservice-llama31-8b.yaml") if d.get("kind") == "RayService"]
     pods = [svc["spec"]["rayClusterConfig"]["headGroupSpec"]] + svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     for group in pods:

@@ -198,9 +198,9 @@ def test_bench_beams_reports_speed_equality_and_kv(tmp_path):
         assert r["beams"] == 2 and r["exact_match_with_hf"] == 1.0 and 1 <= r["tokens"] <= 6
         assert r["tokens_per_s"] > 0 and r["speedup_vs_hf"] == pytest.approx(r["tokens_per_s"] / rows["hf"]["tokens_per_s"])
     assert rows["engine"]["beam_steps_per_pass"] == 1.0 and rows["engine"]["accepted_per_beam_step"] == 0
-    assert rows["engine"]["kv_positions_copied_at_forks"] > 0  # the prompt, copied to the second beam
+    assert rows["engine"]["kv_positions_copied_at_forks"] > 0  # the prompt's last, partial block (copy-on-write)
     assert rows["hf"]["hf_cache_reorder_positions"] > rows["engine"]["kv_positions_copied_at_forks"]
-    assert rep["kv"]["reserved_per_request_mib"]["2"] > 0
+    assert rep["kv"]["block_positions"] == 16 and rep["kv"]["bytes_per_position"] > 0
     assert out.with_name("bench_beams.txt").read_text().count("engine+ngram") == 1
 
 

@@ -39,12 +39,15 @@ def _runner(models, layout: str) -> LlamaRunner:
     return with_layout(LlamaRunner(models[dtype], num_layers=LAYERS), lay, gguf_source("smollm2")).make_exact()
 
 
+BLOCK = 16  # the engine's KV blocks: a row's keys span several, as in serving
+
+
 def _single(runner, seq: torch.Tensor):
-    """Logits [n, V] and K, V [layers, n, Hkv, D] of `seq` fed one token per pass, batch 1."""
+    """Logits [n, V] and K, V [layers, n, Hkv, D] of `seq` fed one token per pass, batch 1 (one block of
+    the whole context: the slotted cache)."""
     cache = runner.new_cache(1, seq.numel() + 1)
     out = [runner.logits(runner.forward(cache, [0], seq[None, t:t + 1]))[0, 0] for t in range(seq.numel())]
-    n = seq.numel()
-    return torch.stack(out), cache.k[:, 0, :n].clone(), cache.v[:, 0, :n].clone()
+    return (torch.stack(out), *cache.read(0, seq.numel()))
 
 
 def invariance_failures(runner) -> list[str]:
@@ -59,18 +62,18 @@ def invariance_failures(runner) -> list[str]:
         ref_l, ref_k, ref_v = refs[row]
         if not torch.equal(logits, ref_l[start:start + n]):
             fails.append(f"{what}: logits")
-        if not (torch.equal(cache.k[:, slot, :start + n], ref_k[:, :start + n])
-                and torch.equal(cache.v[:, slot, :start + n], ref_v[:, :start + n])):
+        k, v = cache.read(slot, start + n)
+        if not (torch.equal(k, ref_k[:, :start + n]) and torch.equal(v, ref_v[:, :start + n])):
             fails.append(f"{what}: KV")
 
     for width in (1, 2, 3, 5, 8, 16):  # one row: a prefill chunk of CTX, then a chain of `width`
-        cache = runner.new_cache(1, 64)
+        cache = runner.new_cache(1, 64, block_size=BLOCK)
         runner.forward(cache, [0], seqs[0][None, :CTX])
         logits = runner.logits(runner.forward(cache, [0], seqs[0][None, CTX:CTX + width]))[0]
         check(f"width {width}", logits, cache, 0, 0, CTX, width)
     for batch in (2, 7, 16):  # rows 0..2 among random ones, each row's context of its own length
         for width in (1, 5, 16):
-            cache = runner.new_cache(batch, 64)
+            cache = runner.new_cache(batch, 64, block_size=BLOCK)
             rows = [seqs[b % 3] if b < 3 else torch.randint(0, V, (CTX + 16 + b,), generator=g) for b in range(batch)]
             starts = [CTX + (b % 3) for b in range(batch)]
             for b in range(batch):
@@ -81,7 +84,7 @@ def invariance_failures(runner) -> list[str]:
                 check(f"batch {batch} width {width} row {b}", logits[b], cache, b, b, starts[b], width)
     # a token tree: the root (the last context token) with two children; the first child's path is
     # seqs[0]'s chain, the second a sibling. Its nodes are compared with the chain's passes.
-    cache = runner.new_cache(1, 64)
+    cache = runner.new_cache(1, 64, block_size=BLOCK)
     runner.forward(cache, [0], seqs[0][None, :CTX - 1])
     s0 = seqs[0]
     feed = torch.stack([s0[CTX - 1], s0[CTX], (s0[CTX] + 1) % V, s0[CTX + 1]])[None]  # nodes 0..3
@@ -118,8 +121,10 @@ def test_ordinary_attention_or_matmuls_planted_back_fail_the_check(models, monke
     alone), or bf16 matmuls called without their row plans, part from the single-token passes."""
     runner = _runner(models, "fp32+prepacked" if cpu.available("prepack-fp32") else "fp32")
 
-    def sdpa(q, kc, vc, slots, mask, lo, end, scale, softcap=None, compiled=True, sinks=None):  # the ordinary path
-        keys, vals = kc[slots, lo:end].transpose(1, 2), vc[slots, lo:end].transpose(1, 2)
+    def sdpa(q, kc, vc, table, mask, lo, end, scale, softcap=None, compiled=True, sinks=None):  # the ordinary path
+        at = torch.arange(lo, end)
+        at = table[:, at // kc.shape[1]] * kc.shape[1] + at % kc.shape[1]  # [B, end - lo]
+        keys, vals = kc.flatten(0, 1)[at].transpose(1, 2), vc.flatten(0, 1)[at].transpose(1, 2)
         a = torch.nn.functional.scaled_dot_product_attention(
             q.to(kc.dtype).transpose(1, 2), keys, vals, attn_mask=None if mask is None else mask[:, None],
             scale=scale, enable_gqa=True)

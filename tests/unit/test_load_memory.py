@@ -69,6 +69,8 @@ def test_the_load_reports_weight_and_kv_bytes(caplog):
     assert mem["target"]["weights"] == params  # fp32, plain: the model's parameters, once
     cfg = model.config
     kv_per_slot_pos = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    assert mem["target"]["kv"] == kv_per_slot_pos * 2 * built.engine.cache.max_len
+    cache = built.engine.cache  # the pool: by default blocks for every slot at max_len (whole blocks)
+    assert mem["target"]["kv"] == kv_per_slot_pos * cache.num_blocks * cache.block_size
+    assert cache.num_blocks == 2 * cache.blocks(cache.max_len)
     assert mem["self"]["weights"] == 0 and mem["self"]["kv"] > 0  # the self-draft shares the target's layers
     assert any("memory: target: weights" in r.getMessage() for r in caplog.records)
