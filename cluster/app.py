@@ -32,12 +32,15 @@ SERVICER_FUNCTIONS = [
 ]
 
 
-def _options(spec: DeploymentSpec, name: str, **extra) -> dict:
+KV_POLICY = {"policy_function": "cluster.autoscale:kv_policy"}  # verifiers scale on KV blocks held too
+
+
+def _options(spec: DeploymentSpec, name: str, policy: dict | None = None, **extra) -> dict:
     opts = spec.resources.ray_actor_options()
     if spec.env_vars:
         opts["runtime_env"] = {"env_vars": dict(spec.env_vars)}
     return {"name": name, "ray_actor_options": opts,
-            "autoscaling_config": spec.autoscaling.serve(),
+            "autoscaling_config": {**spec.autoscaling.serve(), **({"policy": policy} if policy else {})},
             "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
             "graceful_shutdown_wait_loop_s": 0.5, **extra}
 
@@ -102,7 +105,7 @@ def build_app(cfg: ClusterConfig):
                            request_router_class="cluster.routing.PinnedRouter")))
         drafts[d.name] = dep.bind(raw, d.name)
     verifier = serve.deployment(VerifierServer).options(
-        **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch,
+        **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch, policy=KV_POLICY,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls
                    request_router_config=_verifier_routing(cfg.verifier))
     ).bind(raw, drafts)

@@ -29,6 +29,7 @@ from actors.metrics import LoopStats
 from actors.models import model_name
 from actors.schema import AUTO_DRAFT, NO_DRAFT, Delta, Request
 
+from .autoscale import METRIC
 from .config import ClusterConfig
 from .draft_server import RemoteDrafter
 from .metrics import GAUGE_REFRESH_S, VerifierMetrics
@@ -182,6 +183,11 @@ class VerifierServer:
                 "engine": eng.info, "policy": eng.policy.state() if eng.policy is not None else None,
                 "remote_drafts": {name: d.call_stats() for name, d in eng.drafters.items()
                                   if isinstance(d, RemoteDrafter)}}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (`cluster.autoscale.kv_policy`): the share of KV blocks held."""
+        c = self.engine.cache
+        return {METRIC: c.used_blocks / c.num_blocks}
 
     def memory(self) -> dict:
         """This process's resident bytes, and of them the weights (the target's and colocated drafts')."""

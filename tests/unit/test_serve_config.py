@@ -97,3 +97,34 @@ def test_default_resolves_per_target_everywhere(tmp_path):
            "router": {"default_draft": "eagle"}}
     kinds = {d["name"]: d["kind"] for d in Router(cfg, verifier=None).models()["drafts"]}
     assert kinds == {"none": "none", "eagle": "ngram"}
+
+
+def _context(replicas: int, requests: float, held: list[float]):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    dep = DeploymentID("Verifier", "specd")
+    ids = [ReplicaID(str(i), dep) for i in range(replicas)]
+    return AutoscalingContext(
+        deployment_id=dep, deployment_name="Verifier", app_name="specd", current_num_replicas=replicas,
+        target_num_replicas=replicas, running_replicas=ids, total_num_requests=requests, total_queued_requests=0,
+        aggregated_metrics={"kv_blocks_held": dict(zip(ids, held))}, raw_metrics={},
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=None,
+        config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=16))
+
+
+def test_verifiers_scale_on_kv_blocks_held_as_well_as_on_requests():
+    """The verifier pool's policy (Serve's custom autoscaling metrics): few long requests that fill the
+    KV pools ask for replicas the request count would not; many short ones scale as Serve's rule does."""
+    from ray.serve.config import AutoscalingConfig
+
+    from cluster.app import KV_POLICY, _options
+    from cluster.autoscale import kv_policy
+
+    assert kv_policy(_context(2, 8, [0.96, 0.92]))[0] == pytest.approx(2 * 0.94 / 0.8)  # 8 requests: blocks decide
+    assert kv_policy(_context(2, 64, [0.2, 0.3]))[0] == pytest.approx(4.0)  # 64 requests over 16 each
+    assert kv_policy(_context(2, 8, [0.5, 0.5]))[0] == pytest.approx(1.25)  # neither: scale down
+    cfg = ClusterConfig.load("cluster/configs/local.yaml")  # what the verifier deployment gets, as Serve parses it
+    parsed = AutoscalingConfig(**_options(cfg.verifier, "Verifier", policy=KV_POLICY)["autoscaling_config"])
+    assert parsed.policy.policy_function == "cluster.autoscale:kv_policy" and parsed.max_replicas == 2
