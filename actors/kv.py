@@ -65,6 +65,7 @@ class KVCache:
         self._fresh = 0  # blocks [_fresh, num_blocks) were never taken
         self.max_len = max_len
         self.forked_positions = 0  # positions copied by `fork` and copy-on-write so far (all layers, K and V)
+        self.moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # a list: every copy logged (`_move`)
 
     # ---- sizes --------------------------------------------------------------------------------
     @property
@@ -129,8 +130,8 @@ class KVCache:
         table, first = self.tables[slot], self.lengths[slot] // self.block_size
         if self._shared_write(slot, end):  # copy-on-write
             old, new = table[first], self._take()
-            for c in self._tensors():
-                c[:, new] = c[:, old]
+            at = torch.arange(self.block_size, device=self.k.device)
+            self._move(new * self.block_size + at, old * self.block_size + at)
             self._drop(old)
             table[first] = new
             self.forked_positions += self.lengths[slot] - first * self.block_size
@@ -153,6 +154,15 @@ class KVCache:
     def flat(self, c: torch.Tensor) -> torch.Tensor:
         """A cache tensor as [layers, num_blocks * block_size, Hkv, D]: one index per position."""
         return c.view(c.shape[0], -1, *c.shape[3:])
+
+    def _move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the KV at flat indices src to dst, every layer (logged in `moves` where it is a list: a
+        tensor-parallel group's other ranks repeat the copies on their heads, `actors.tp`)."""
+        for c in self._tensors():
+            f = self.flat(c)
+            f[:, dst] = f[:, src]
+        if self.moves is not None:
+            self.moves.append((dst, src))
 
     def where(self, slot: int, positions) -> torch.Tensor:
         """The flat indices of a slot's positions (a list or an int64 tensor, on the cache's device)."""
@@ -179,11 +189,7 @@ class KVCache:
         path of a token tree becomes contiguous (no recompute)."""
         if src == list(range(len(src))):
             return
-        dst = self.where(slot, list(range(start, start + len(src))))
-        idx = self.where(slot, [start + i for i in src])
-        for c in self._tensors():
-            f = self.flat(c)
-            f[:, dst] = f[:, idx]
+        self._move(self.where(slot, list(range(start, start + len(src)))), self.where(slot, [start + i for i in src]))
 
     def _share(self, src: int, dst: int, n: int) -> None:
         """Slot dst (emptied) holds src's first n positions by sharing the blocks they lie in."""
@@ -204,11 +210,7 @@ class KVCache:
         self._share(src, dst, prefix)
         if tail:
             self.reserve(dst, prefix + len(tail))
-            to = self.where(dst, list(range(prefix, prefix + len(tail))))
-            frm = self.where(src, [prefix + t for t in tail])
-            for c in self._tensors():
-                f = self.flat(c)
-                f[:, to] = f[:, frm]
+            self._move(self.where(dst, list(range(prefix, prefix + len(tail)))), self.where(src, [prefix + t for t in tail]))
             self.lengths[dst] = prefix + len(tail)
         self.forked_positions += len(tail)
 

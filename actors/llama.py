@@ -160,6 +160,7 @@ class LlamaRunner:
         # Layers in the block kernel's fused calls (`fuse_blocks`): None, else each layer's fp32 norm weights
         self.fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.plans: dict[tuple, kernels.RowPlan] = {}
+        self.tp = None  # this rank's `actors.tp.Group` where the runner is one shard of a tensor-parallel target
         if not 1 <= self.num_layers <= total:
             raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
 
@@ -276,8 +277,14 @@ class LlamaRunner:
                              f"(the model's {self.positions_why})")
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        return KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device,
-                       shared_kv=self.mla, block_size=block_size, num_blocks=num_blocks)
+        cache = KVCache(self.num_layers, slots, max_len, self.n_kv, self.head_dim, dtype, self.device,
+                        shared_kv=self.mla, block_size=block_size, num_blocks=num_blocks)
+        if self.tp is not None:
+            from . import tp
+
+            return tp.new_cache(self, cache, dict(slots=slots, max_len=max_len, dtype=dtype,
+                                                  block_size=cache.block_size, num_blocks=cache.num_blocks))
+        return cache
 
     def bytes_per_position(self, dtype: torch.dtype | None = None) -> int:
         """KV bytes one position costs in a cache of this runner (every layer, keys and values)."""
@@ -318,6 +325,11 @@ class LlamaRunner:
             raise ValueError(f"sequence would reach {end} positions, cache holds {cache.max_len}")
         for s, n in zip(slots, starts):
             cache.reserve(s, n + T)
+        if self.tp is not None and self.tp.leader:  # the other ranks run the same pass on their heads
+            from . import tp
+
+            tp.announce(self, cache, slots, dict(tokens=tokens, num_new=num_new, embeds=embeds, tree=tree,
+                                                 features=features))
 
         dev = self.device
         start_t = torch.tensor(starts, device=dev)  # [B]
@@ -486,6 +498,8 @@ class LlamaRunner:
         sandwich norms: x + post_attn_norm(o), then + post_mlp_norm(mlp(mlp_norm(x))); a sparse layer's
         MLP is its experts (`moe`)."""
         o = self.linear(a.to(x.dtype), wo, bo)
+        if self.tp is not None:  # the heads' partial sums
+            o = self.tp.reduce(o)
         if post_attn_norm is not None:
             o = self.rms(o, post_attn_norm, self.eps)
         x = x + o
@@ -494,6 +508,8 @@ class LlamaRunner:
             return x + moe(h, self.linear, self.act)
         gate, up = self.linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         m = self.linear(self.act(gate) * up, w_down)
+        if self.tp is not None:  # the MLP columns' partial sums
+            m = self.tp.reduce(m)
         if post_mlp_norm is not None:
             m = self.rms(m, post_mlp_norm, self.eps)
         return x + m
@@ -618,7 +634,12 @@ class LlamaRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., E] -> logits [..., V] (in the model dtype); Gemma's final soft-capping,
         cap * tanh(logits / cap), where the config sets one."""
-        out = self.linear(hidden, self.lm_head)
+        if self.tp is None:
+            out = self.linear(hidden, self.lm_head)
+        else:  # each rank's vocabulary rows, gathered
+            if self.tp.leader:
+                self.tp.send(("logits", hidden))
+            out = self.tp.gather_last(self.linear(hidden, self.lm_head))[..., :self.tp_vocab]
         if self.final_softcap is not None:
             out = torch.tanh(out / self.final_softcap) * self.final_softcap
         return out

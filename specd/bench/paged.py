@@ -101,7 +101,7 @@ def _prefix_ttft(built, engines: dict, rounds: int, sessions: int = 3, long_prom
 def paged_bench(blocks=(16, 64), rounds: int = 3, max_tokens: int = 64, limit: int = 8, requests: int = 64,
                 mixed_tokens: int = 32, dtype: str = "auto", progress=print) -> dict:
     from actors.build import build_engine
-    from actors.kv import KV_BLOCK
+    from actors.schema import KV_BLOCK
 
     from ..data import load_prompts
 
