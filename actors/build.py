@@ -617,7 +617,8 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
                  prefill_chunk: int = 512, default_gamma: dict[str, int | str] | None = None,
                  compile: bool = False, tune_profile: str | None = None, quant: str = "none",
                  draft_quant: str | dict[str, str] = "none", prepack: str = "auto", weights: str = "auto",
-                 exact: str = "auto", kv_block: int | None = KV_BLOCK, kv_memory: int | float | None = None) -> Built:
+                 exact: str = "auto", kv_block: int | None = KV_BLOCK, kv_memory: int | float | None = None,
+                 tp=None) -> Built:
     """drafts: specs (each served under its own spec as name) or {name: spec}.
     extra_drafters: ready drafters by name (e.g. remote ones on draft replicas).
     dtype: "auto" (see `load_target`), "bf16" or "fp32"; device: "auto" (a GPU when there is
@@ -635,7 +636,9 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     "auto" (measured; not with quant or compile). exact: row-invariant target passes (`with_exact`:
     "auto", "require" or "off"); where on, the dtype and layout are chosen by rule (`exact_option`).
     kv_memory: the KV pool in bytes, or a fraction of the memory free once the weights are loaded
-    (`kv_budget`). The rest as `SpecEngine` takes them."""
+    (`kv_budget`). tp: this process's `actors.tp.Group` as rank 0 of a tensor-parallel target (its
+    other ranks started, running `actors.tp.follow`): the target is this rank's shard, in dense weights
+    of the given dtype, no prepacked layout. The rest as `SpecEngine` takes them."""
     from .quant import check_mode, quantize_runner
 
     device = resolve_device(device)
@@ -649,10 +652,20 @@ def build_engine(model: str = "smollm2", drafts: list[str] | dict[str, str] = ()
     weights = "dense" if compile else weights
     if exact == "require" and compile:
         raise ValueError("exact: require is not combined with compile (Inductor's kernels choose their own order)")
+    if tp is not None:
+        if dtype == "auto" or compile or quant != "none":
+            raise ValueError("a tensor-parallel target takes an explicit dtype (every rank loads it so), "
+                             "and neither compile nor quant")
+        prepack, weights = "off", "dense"
     chosen = load_target(model, dtype, max_batch, device, calibrate=quant == "none", prepack=prepack,
                          weights=weights, exact="off" if compile else exact)
     target, cost, dt, layout, why = chosen.model, chosen.cost, chosen.dtype, chosen.layout, chosen.why
     runner = LlamaRunner(target.model)  # a longrope model serves fewer positions than its config says
+    if tp is not None:
+        from .tp import shard
+
+        runner = shard(runner, tp)
+        why += f"; tensor-parallel rank 0 of {tp.world}"
     max_len = min(max_len, runner.max_position - KV_HEADROOM)
     drafters: dict[str, Drafter] = {}
     for name, spec in named.items():

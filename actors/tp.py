@@ -1,8 +1,9 @@
 """Tensor parallelism: one target over N processes, each holding 1/N of every layer (gpt-fast's scheme).
 
-- `shard(runner, group)`: the fused qkv projection by heads (query heads, and the KV heads they read,
-  rank r the r-th group), the output projection by the matching columns; gate/up by columns, down by
-  the matching rows; the LM head by vocabulary rows (padded to a multiple of N). Each rank's KV cache
+- `shard(runner, group)`: the fused qkv projection by KV-head groups (rank r its share of the KV heads
+  and the query heads that read them; shares differ by at most one group where N does not divide the
+  KV heads, e.g. SmolLM2's 3 over 2 ranks), the output projection by the matching columns; gate/up by
+  columns, down by the matching rows; the LM head by vocabulary rows (padded to a multiple of N). Each rank's KV cache
   holds its own KV heads: positions and blocks are not split, so rollback, trees, beams and the prefix
   cache work unchanged. Two all-reduces per layer (after the output and the down projections, where
   gpt-fast places them) and one all-gather of the logits.
@@ -89,35 +90,40 @@ def init(rank: int, world: int, address: str, device: str = "cpu") -> Group:
     return Group(rank, world)
 
 
+def part(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s share [lo, hi) of n items split over `world` ranks (sizes differ by at most one)."""
+    return rank * n // world, (rank + 1) * n // world
+
+
 def shard(runner, group: Group):
     """Keep this rank's part of every layer of `runner` (in place) and make its passes collective."""
     r, n = group.rank, group.world
     H, Hkv, D = runner.n_heads, runner.n_kv, runner.head_dim
-    if H % n or Hkv % n:
-        raise ValueError(f"tensor_parallel_size {n} must divide the query heads ({H}) and KV heads ({Hkv})")
+    if Hkv < n:
+        raise ValueError(f"tensor_parallel_size {n} exceeds the KV heads ({Hkv}): each rank holds at least one")
     if runner.mla or runner.native or runner.prepacked or runner.quant != "none" or runner.fused is not None:
         raise ValueError("tensor parallelism shards dense weights: no MLA, native blocks, prepacked or int8 layouts")
-    h, hk = H // n, Hkv // n
+    rep = H // Hkv  # query heads per KV head
+    k0, k1 = part(Hkv, r, n)
+    q0, q1 = k0 * rep, k1 * rep
+    h, hk = q1 - q0, k1 - k0
 
     def rows(t, spans):  # the rows [a, b) of each span, stacked
         return None if t is None else torch.cat([t[a:b] for a, b in spans]).contiguous()
 
-    qkv = [(r * h * D, (r + 1) * h * D), (H * D + r * hk * D, H * D + (r + 1) * hk * D),
-           ((H + Hkv) * D + r * hk * D, (H + Hkv) * D + (r + 1) * hk * D)]
+    qkv = [(q0 * D, q1 * D), (H * D + k0 * D, H * D + k1 * D), ((H + Hkv) * D + k0 * D, (H + Hkv) * D + k1 * D)]
     for w in runner.layers:
         if w.moe is not None:
             raise ValueError("tensor parallelism does not split MoE experts yet")
         w.wqkv, w.bqkv = rows(w.wqkv, qkv), rows(w.bqkv, qkv)
-        w.wo = w.wo[:, r * h * D:(r + 1) * h * D].contiguous()
+        w.wo = w.wo[:, q0 * D:q1 * D].contiguous()
         w.bo = w.bo if r == 0 else None  # added once, by the leader's partial sum
         inter = w.w_down.shape[1]
-        if inter % n:
-            raise ValueError(f"tensor_parallel_size {n} must divide the MLP width ({inter})")
-        i = inter // n
-        w.w_gate_up = rows(w.w_gate_up, [(r * i, (r + 1) * i), (inter + r * i, inter + (r + 1) * i)])
-        w.w_down = w.w_down[:, r * i:(r + 1) * i].contiguous()
+        i0, i1 = part(inter, r, n)
+        w.w_gate_up = rows(w.w_gate_up, [(i0, i1), (inter + i0, inter + i1)])
+        w.w_down = w.w_down[:, i0:i1].contiguous()
         if w.sinks is not None:
-            w.sinks = w.sinks[r * h:(r + 1) * h].contiguous()
+            w.sinks = w.sinks[q0:q1].contiguous()
     V = runner.lm_head.shape[0]
     v = -(-V // n)
     head = runner.lm_head[r * v:(r + 1) * v]

@@ -104,8 +104,11 @@ def build_app(cfg: ClusterConfig):
                        request_router_config=RequestRouterConfig(
                            request_router_class="cluster.routing.PinnedRouter")))
         drafts[d.name] = dep.bind(raw, d.name)
+    v = cfg.verifier
+    ranks = ({"placement_group_bundles": [v.resources.bundle()] * v.tensor_parallel_size,
+              "placement_group_strategy": v.placement_strategy} if v.tensor_parallel_size > 1 else {})
     verifier = serve.deployment(VerifierServer).options(
-        **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch, policy=KV_POLICY,
+        **ranks, **_options(cfg.verifier, "Verifier", max_ongoing_requests=4 * cfg.verifier.max_batch, policy=KV_POLICY,
                    # the router reaches every replica (GetStats, GetLoad, Abort) by pinning calls
                    request_router_config=_verifier_routing(cfg.verifier))
     ).bind(raw, drafts)

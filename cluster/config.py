@@ -67,6 +67,14 @@ class Resources(_Strict):
     accelerator_type: str | None = Field(None, description="e.g. 'L4' (drafts) or 'H100' (verifiers)")
     custom: dict[str, float] = Field(default_factory=dict, description="e.g. {'large_accel': 1}")
 
+    def bundle(self) -> dict:
+        """The same as a placement group bundle (one per tensor-parallel rank)."""
+        b = {**({"CPU": self.num_cpus} if self.num_cpus else {}), **({"GPU": self.num_gpus} if self.num_gpus else {}),
+             **self.custom}
+        if self.accelerator_type:
+            b[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return b or {"CPU": 0.001}  # a bundle asks for something
+
     def ray_actor_options(self) -> dict:
         opts: dict = {"num_cpus": self.num_cpus}
         if self.num_gpus:
@@ -167,6 +175,12 @@ class VerifierConfig(DeploymentSpec):
                            "KV itself is blocks from the kv_memory pool)")
     kv_block: int | None = Field(KV_BLOCK, ge=1, description="positions per KV block of the target's paged cache "
                                  "(actors/kv.py); null: one block of max_len per slot (the slotted cache)")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="processes one replica's target is split over "
+                                      "(actors/tp.py): the replica is rank 0, ranks 1..N-1 are Ray actors, each "
+                                      "in its own bundle of the replica's placement group (one bundle per rank, "
+                                      "`resources` each); needs an explicit dtype and dense weights")
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field(
+        "PACK", description="the placement group's strategy with tensor_parallel_size > 1 (STRICT_PACK: one node)")
     kv_memory: float | None = Field(None, gt=0, description="the target's KV pool: bytes (> 1), or a fraction (0, 1] "
                                     "of the memory free once the weights are loaded; null: max_batch x max_len "
                                     "positions. Requests are admitted while blocks allow, the youngest preempted "
@@ -372,6 +386,12 @@ class ClusterConfig(_Strict):
         if self.weights == "native" and (self.verifier.quant != "none" or self.verifier.compile or self.dtype == "fp32"):
             raise ValueError("weights: native (4-bit GGUF blocks, bf16 activations) is not combined with "
                              "verifier.quant, verifier.compile or dtype: fp32")
+        v = self.verifier
+        if v.tensor_parallel_size > 1 and (self.dtype == "auto" or self.weights == "native" or v.quant != "none"
+                                           or v.compile or self.prepack == "on"):
+            raise ValueError(f"verifier.tensor_parallel_size {v.tensor_parallel_size} shards dense weights that every "
+                             "rank loads alike: set dtype (bf16 or fp32), weights other than native, prepack other "
+                             "than on, no verifier.quant or compile")
         return self
 
     @property

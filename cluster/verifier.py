@@ -93,11 +93,24 @@ class VerifierServer:
         target = model_name(cfg.model)
         remote = {name: RemoteDrafter(handle, name, feature_layers=spec_feature_layers(specs.get(name, ""), target))
                   for name, handle in (draft_handles or {}).items()}
+        self.ranks: list = []  # tensor parallelism: ranks 1..N-1's `run` calls (this replica is rank 0)
+        group = None
+        if v.tensor_parallel_size > 1:
+            from actors import tp
+            from actors.models import resolve_device
+
+            from .tp import start_ranks
+
+            device = str(resolve_device(cfg.device))
+            address, self._rank_actors, self.ranks = start_ranks(
+                cfg.model, cfg.dtype, v.tensor_parallel_size, cfg.exact, device, v.torch_threads,
+                v.resources.ray_actor_options())
+            group = tp.init(0, v.tensor_parallel_size, address, device)
         built = build_engine(cfg.model, local, cfg.dtype, max_batch=v.max_batch, max_len=cfg.max_len,
                              device=cfg.device, compile=v.compile, extra_drafters=remote, pipeline=v.pipeline,
                              prefill_chunk=v.prefill_chunk, tune_profile=v.tune_profile, quant=v.quant,
                              draft_quant={d.name: d.quant for d in cfg.drafts if not d.remote}, prepack=cfg.prepack,
-                             weights=cfg.weights, exact=cfg.exact, kv_block=v.kv_block, kv_memory=v.kv_memory,
+                             weights=cfg.weights, exact=cfg.exact, kv_block=v.kv_block, kv_memory=v.kv_memory, tp=group,
                              default_gamma={d.name: d.default_gamma for d in cfg.drafts},
                              seq_id_base=random.getrandbits(40) << 20)  # unique ids on shared draft replicas
         self.engine = built.engine
@@ -199,6 +212,11 @@ class VerifierServer:
     async def check_health(self) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("the batcher thread died")
+        if self.ranks:
+            from .tp import dead
+
+            if dead(self.ranks):
+                raise RuntimeError("a tensor-parallel rank died: the replica goes down with its group")
 
     # ---- the batcher thread ------------------------------------------------------------------------
     def _export_load(self) -> None:
@@ -291,6 +309,12 @@ class VerifierServer:
                 outs = eng.step()
             except Exception as e:  # never let one bad step kill the replica silently
                 log.exception("engine step failed")
+                if self.ranks:
+                    # A tensor-parallel pass failed (a rank died, or the ranks left off mid-pass): the group
+                    # cannot compute another. The replica exits, so that Serve restarts the group now and
+                    # the router resumes its streams on the new one (as for any lost replica).
+                    log.error("tensor-parallel pass failed: the replica exits with its group")
+                    os._exit(1)
                 for t in list(self.tickets.values()):
                     self._drop(t)
                     self._deliver(t, RuntimeError(f"engine step failed: {e}"))

@@ -1,13 +1,14 @@
 """Tensor parallelism over gloo in a local Ray cluster: the target split over two processes (this one as
 rank 0, running the engine; a Ray actor as rank 1) computes what one process computes.
 
-On tiny random models of three families (Llama with grouped KV heads and tied embeddings, Qwen3 with
+On tiny random models of three families (Llama with 3 grouped KV heads split 1 + 2, an MLP split unevenly,
+and tied embeddings, Qwen3 with
 per-head q/k norms, Gemma2 with soft-capping, sandwich norms and sliding windows), saved as Hugging Face
 directories that both ranks load: TP=2 gives greedy output identical to TP=1, with speculation off, an
 n-gram draft, a truncated self-draft as chains and as trees, and seeded sampling; its logits are within
 1e-5 of TP=1's (not bitwise: an all-reduce adds two partial products where one process summed one
-matmul); and within TP=2, speculation changes no bit of the output. The rank in the actor dies with its
-group: killing it makes rank 0's next pass fail within the group's timeout, and `cluster.tp.dead` names it.
+matmul); and within TP=2, speculation changes no bit of the output. (A rank killed while serving:
+test_tp_serve.py.)
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from helpers import rand_tokens
 
 SMALL = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM",  # 3 KV heads and an MLP of 130 over 2 ranks: uneven shares
+                       {"tie_word_embeddings": True, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+                        "head_dim": 16, "intermediate_size": 130}),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8,
                                                                "attn_logit_softcapping": 0.5,
@@ -100,7 +103,8 @@ def test_tensor_parallel_target_computes_what_one_process_computes(local_ray, mo
 
     runner, refs, _ = group_of(models[family])
     try:
-        assert runner.n_heads == 2 and runner.n_kv == 1 and runner.lm_head.shape[0] == 125
+        assert runner.n_kv == single.n_kv // 2 and runner.n_heads == runner.n_kv * single.n_heads // single.n_kv
+        assert runner.lm_head.shape[0] == 125
         got = runner.logits(runner.forward(runner.new_cache(1, 32), [0], ids))
         assert got.shape == ref.shape and (got - ref).abs().max() < 1e-5
         eng = engine(runner, hf)
@@ -113,18 +117,4 @@ def test_tensor_parallel_target_computes_what_one_process_computes(local_ray, mo
     finally:
         tp.stop(runner)
         assert ray.get(refs)[0] > 0  # the follower ran passes
-        dist.destroy_process_group()
-
-
-def test_a_dead_rank_fails_the_next_pass_and_is_named(local_ray, models):
-    runner, refs, actors = group_of(models["llama"])
-    try:
-        cache = runner.new_cache(1, 32)
-        runner.forward(cache, [0], torch.tensor([PROMPTS[0]]))
-        ray.kill(actors[0])
-        with pytest.raises(Exception):
-            for _ in range(3):  # gloo may take the first send into its buffers
-                runner.forward(cache, [0], torch.tensor([[5]]))
-        assert ctp.dead(refs) == refs
-    finally:
         dist.destroy_process_group()
