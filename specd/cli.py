@@ -201,6 +201,11 @@ def _parser() -> argparse.ArgumentParser:
                         "size, a mixed-length workload (64 requests, prompts 100-4,000 tokens) at equal KV memory, "
                         "and the prefix cache's TTFT on the agent sessions; median of --rounds (default 3); writes "
                         "out/bench_paged.json (specd/bench/paged.py)")
+    b.add_argument("--tp", type=int, default=0, metavar="N",
+                   help="--local: only the target split over N processes (tensor parallelism over gloo, ranks as Ray "
+                        "actors) against one process: decode pass time at batch 1 and 8 and the share of the group's "
+                        "pass spent in collectives; median of --rounds (default 3); writes out/bench_tp.json "
+                        "(specd/bench/tp.py)")
     b.add_argument("--head-of-line", action="store_true",
                    help="--local: only measure the inter-token latency of 4 running streams while a 1500-token "
                         "prompt is admitted, unchunked against chunked prefill")
@@ -468,6 +473,10 @@ def _bench(args) -> int:
         from .bench import paged
 
         return paged.main(args)
+    if args.tp:
+        from .bench import tp
+
+        return tp.main(args)
     args.json_path = args.json_path or "out/bench.json"
     args.gamma = 4 if args.gamma is None else args.gamma
     args.max_tokens = 64 if args.max_tokens is None else args.max_tokens

@@ -175,3 +175,36 @@ def test_real_model_example_is_sized_for_its_gpu():
     verifier, = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     limits = verifier["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1" and int(limits["memory"].removesuffix("Gi")) * 2**30 > 2 * m["params"]
+
+
+# Llama-3.3-70B-Instruct's config.json: what sizes its GPUs.
+LLAMA33_70B = dict(num_hidden_layers=80, num_key_value_heads=8, head_dim=128, params=70.55e9, vocab_size=128256,
+                   hidden_size=8192, intermediate_size=28672)
+H200_PER_GPU = 141e9
+
+
+def test_tensor_parallel_example_is_sized_for_its_gpus():
+    """k8s/cluster-llama33-70b.yaml: a target no single GPU holds, each verifier replica a tensor-parallel
+    group of 2 ranks on one node's H200s; per rank its half of the weights + its KV pool (+ the head and its
+    features on rank 0) fit one H200, the whole weights would not; the RayService gives each verifier pod
+    the 2 GPUs of one node."""
+    cfg = ClusterConfig.load(K8S / "cluster-llama33-70b.yaml")
+    v, m = cfg.verifier, LLAMA33_70B
+    assert (v.tensor_parallel_size, v.placement_strategy) == (2, "STRICT_PACK")
+    assert (cfg.device, cfg.dtype, cfg.weights) == ("cuda", "bf16", "auto") and v.resources.num_gpus == 1
+    assert v.resources.accelerator_type == "H200" and cfg.router.default_draft == "eagle3"
+    weights = 2 * m["params"]
+    E, inter = m["hidden_size"], m["intermediate_size"]
+    head = 2 * (32000 * E + 3 * E * E + 4 * E * E + 3 * E * inter)  # LM head, fc, attention, MLP of its layer
+    per_rank_kv = 2 * m["num_hidden_layers"] * (m["num_key_value_heads"] // 2) * m["head_dim"] * 2
+    assert cfg.max_len * per_rank_kv < v.kv_memory
+    features = v.max_batch * (cfg.max_len + 17) * 3 * E * 2
+    rank0 = weights / 2 + head + v.kv_memory + features
+    assert rank0 < 0.85 * H200_PER_GPU < weights, (rank0 / 1e9, weights / 1e9)
+    svc, = [d for d in docs(K8S / "rayservice-llama33-70b.yaml") if d.get("kind") == "RayService"]
+    assert "config: k8s/cluster-llama33-70b.yaml" in svc["spec"]["serveConfigV2"]
+    verifier, = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert verifier["rayStartParams"]["num-gpus"] == "2"
+    spec = verifier["template"]["spec"]
+    assert spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
