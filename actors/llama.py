@@ -505,7 +505,8 @@ class LlamaRunner:
         x = x + o
         h = self.rms(x, mlp_norm, self.eps)
         if moe is not None:
-            return x + moe(h, self.linear, self.act)
+            m = moe(h, self.linear, self.act)
+            return x + (m if self.tp is None else self.tp.reduce(m))  # (each rank's experts' share)
         gate, up = self.linear(h, w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         m = self.linear(self.act(gate) * up, w_down)
         if self.tp is not None:  # the MLP columns' partial sums

@@ -118,9 +118,19 @@ class MoE:
         """Every (weight, bias) this block multiplies by."""
         out = [(self.router, self.router_bias), *zip(self.gate_up, self.gate_up_bias or [None] * len(self.gate_up)),
                *zip(self.down, self.down_bias or [None] * len(self.down))]
+        out = [(w, b) for w, b in out if w is not None]  # (a tensor-parallel rank holds some experts: `keep`)
         if self.shared_gate_up is not None:
             out += [(self.shared_gate_up, None), (self.shared_down, None)]
         return out
+
+    def keep(self, lo: int, hi: int, shared: bool) -> None:
+        """Hold experts [lo, hi) only (and the shared expert where `shared`): one rank's part of a
+        tensor-parallel target (`actors.tp`), whose outputs the ranks' all-reduce adds up."""
+        drop = lambda ts: None if ts is None else [t if lo <= e < hi else None for e, t in enumerate(ts)]  # noqa: E731
+        self.gate_up, self.down = drop(self.gate_up), drop(self.down)
+        self.gate_up_bias, self.down_bias = drop(self.gate_up_bias), drop(self.down_bias)
+        if not shared:
+            self.shared_gate_up = self.shared_down = None
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor, act) -> torch.Tensor:
         if self.clamp is None:
@@ -132,7 +142,8 @@ class MoE:
     def repack(self, pack) -> None:
         """Every weight through pack(w) -> w' (`LlamaRunner.prepack`'s oneDNN layout)."""
         self.router = pack(self.router)
-        self.gate_up, self.down = [pack(w) for w in self.gate_up], [pack(w) for w in self.down]
+        self.gate_up, self.down = [w if w is None else pack(w) for w in self.gate_up], \
+            [w if w is None else pack(w) for w in self.down]
         self.shared_gate_up, self.shared_down = pack(self.shared_gate_up), pack(self.shared_down)
 
     def route(self, x: torch.Tensor, linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +192,8 @@ class MoE:
         out = torch.zeros_like(x)
         lo = 0
         for e, n in enumerate(counts):
-            if not n:
+            if not n or self.gate_up[e] is None:  # (an expert another tensor-parallel rank holds)
+                lo += n
                 continue
             idx = rows[lo:lo + n]
             gate, up = linear(x[idx], self.gate_up[e], self.gate_up_bias and self.gate_up_bias[e]).chunk(2, dim=-1)

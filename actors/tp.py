@@ -3,7 +3,8 @@
 - `shard(runner, group)`: the fused qkv projection by KV-head groups (rank r its share of the KV heads
   and the query heads that read them; shares differ by at most one group where N does not divide the
   KV heads, e.g. SmolLM2's 3 over 2 ranks), the output projection by the matching columns; gate/up by
-  columns, down by the matching rows; the LM head by vocabulary rows (padded to a multiple of N). Each rank's KV cache
+  columns, down by the matching rows (a sparse layer: each rank its share of the experts, the shared
+  expert on rank 0); the LM head by vocabulary rows (padded to a multiple of N). Each rank's KV cache
   holds its own KV heads: positions and blocks are not split, so rollback, trees, beams and the prefix
   cache work unchanged. Two all-reduces per layer (after the output and the down projections, where
   gpt-fast places them) and one all-gather of the logits.
@@ -16,7 +17,7 @@
   process summed them in a single matmul, so logits differ from a one-process run in their last
   bits (the TP tests bound them and compare greedy tokens).
 
-Dense weights only (no native blocks, int8 or fused-stack layouts), and no MoE or MLA layers yet.
+Dense weights only (no native blocks, int8 or fused-stack layouts), and no MLA layers yet.
 """
 from __future__ import annotations
 
@@ -113,11 +114,12 @@ def shard(runner, group: Group):
 
     qkv = [(q0 * D, q1 * D), (H * D + k0 * D, H * D + k1 * D), ((H + Hkv) * D + k0 * D, (H + Hkv) * D + k1 * D)]
     for w in runner.layers:
-        if w.moe is not None:
-            raise ValueError("tensor parallelism does not split MoE experts yet")
         w.wqkv, w.bqkv = rows(w.wqkv, qkv), rows(w.bqkv, qkv)
         w.wo = w.wo[:, q0 * D:q1 * D].contiguous()
         w.bo = w.bo if r == 0 else None  # added once, by the leader's partial sum
+        if w.moe is not None:  # each rank its share of the experts; the shared expert on rank 0
+            w.moe.keep(*part(len(w.moe.gate_up), r, n), shared=r == 0)
+            continue
         inter = w.w_down.shape[1]
         i0, i1 = part(inter, r, n)
         w.w_gate_up = rows(w.w_gate_up, [(i0, i1), (inter + i0, inter + i1)])

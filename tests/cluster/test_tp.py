@@ -1,8 +1,9 @@
 """Tensor parallelism over gloo in a local Ray cluster: the target split over two processes (this one as
 rank 0, running the engine; a Ray actor as rank 1) computes what one process computes.
 
-On tiny random models of three families (Llama with 3 grouped KV heads split 1 + 2, an MLP split unevenly,
-and tied embeddings, Qwen3 with
+On tiny random models of four families (Llama with 3 grouped KV heads split 1 + 2, an MLP split unevenly,
+and tied embeddings; Qwen2-MoE, its experts split over the ranks and its gated shared expert on rank 0,
+a dense layer among the sparse ones; Qwen3 with
 per-head q/k norms, Gemma2 with soft-capping, sandwich norms and sliding windows), saved as Hugging Face
 directories that both ranks load: TP=2 gives greedy output identical to TP=1, with speculation off, an
 n-gram draft, a truncated self-draft as chains and as trees, and seeded sampling; its logits are within
@@ -34,6 +35,9 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM",  # 3 KV heads and an ML
                        {"tie_word_embeddings": True, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
                         "head_dim": 16, "intermediate_size": 130}),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
+            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # 4 experts, 2 per rank; a shared expert
+                          {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                           "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]}),
             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8,
                                                                "attn_logit_softcapping": 0.5,
                                                                "final_logit_softcapping": 3.0})}
