@@ -179,7 +179,10 @@ class SpecEngine:
             if k == key:
                 del self.waiting[i]
                 return True
-        if self.preempted.pop(key, None) is not None:  # holds no KV
+        s = self.preempted.pop(key, None)
+        if s is not None:  # it holds no KV, and its drafter let it go when it was preempted
+            if s.req.draft == AUTO_DRAFT:
+                self.selector.release(key)
             return True
         seq = self.active.get(key)
         if seq is None:

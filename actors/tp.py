@@ -204,11 +204,3 @@ def stop(runner) -> None:
     """The leader tells the followers to return from `follow`."""
     runner.tp.send(None)
 
-
-def runner_of(model: str, dtype: str, group: Group, exact: str = "auto", device: str = "cpu"):
-    """A follower's shard of `model` (a spec `actors.models.load_model` takes), exact as the leader's."""
-    from .build import with_exact
-    from .llama import LlamaRunner
-    from .models import load_model
-
-    return with_exact(shard(LlamaRunner(load_model(model, dtype, device).model), group), exact)

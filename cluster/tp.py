@@ -33,9 +33,19 @@ class Rank:
         torch.set_num_threads(threads)
         group = tp.init(rank, world, address, device)
         try:
-            return tp.follow(tp.runner_of(model, dtype, group, exact, device))
+            return tp.follow(shard_of(model, dtype, group, exact, device))
         finally:
             dist.destroy_process_group()
+
+
+def shard_of(model: str, dtype: str, group, exact: str = "auto", device: str = "cpu"):
+    """A rank's shard of `model` (a spec `actors.models.load_model` takes), exact as rank 0's."""
+    from actors.build import with_exact
+    from actors.llama import LlamaRunner
+    from actors.models import load_model
+    from actors.tp import shard
+
+    return with_exact(shard(LlamaRunner(load_model(model, dtype, device).model), group), exact)
 
 
 def free_address() -> str:

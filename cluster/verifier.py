@@ -229,7 +229,7 @@ class VerifierServer:
             running[d] = running.get(d, 0) + 1
             blocks[d] = blocks.get(d, 0) + sum(len(eng.cache.tables[m.slot])
                                                for m in (s.beam.members if s.beam is not None else [s]))
-        for _, r in eng.waiting:
+        for r in [r for _, r in eng.waiting] + [s.req for s in eng.preempted.values()]:
             waiting[r.speculation.draft] = waiting.get(r.speculation.draft, 0) + 1
         draft_kv = {name: used / total for name, (used, total) in self._colocated_kv().items()}
         gamma = {name: e.gamma for name, e in eng.policy.est.items()} if eng.policy is not None else {}

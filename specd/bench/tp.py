@@ -43,7 +43,7 @@ def tp_bench(world: int = 2, rounds: int = 3, model: str = "smollm2", progress=p
     from actors.hardware import hardware
     from actors.llama import LlamaRunner
     from actors.models import load_model
-    from cluster.tp import start_ranks
+    from cluster.tp import shard_of, start_ranks
 
     threads = torch.get_num_threads()
     hf = load_model(model, "fp32").model
@@ -53,7 +53,7 @@ def tp_bench(world: int = 2, rounds: int = 3, model: str = "smollm2", progress=p
     group = tp.init(0, world, address)
     try:
         torch.set_num_threads(1)
-        sharded = with_exact(tp.shard(LlamaRunner(load_model(model, "fp32").model), group), "auto")
+        sharded = shard_of(model, "fp32", group)
         g = torch.Generator().manual_seed(0)
         V = single.vocab_size
         feed = torch.randint(0, V, (max(BATCHES), 1), generator=g)
