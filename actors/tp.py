@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -51,8 +52,6 @@ class Group:
         return self.rank == 0
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
         t = time.perf_counter()
         dist.all_reduce(x, group=self.pg)
         self.comm_s += time.perf_counter() - t
@@ -61,8 +60,6 @@ class Group:
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, concatenated along the last dimension."""
-        import time
-
         t = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.pg)
@@ -71,8 +68,6 @@ class Group:
         return torch.cat(parts, -1)
 
     def send(self, msg) -> None:
-        import time
-
         t = time.perf_counter()
         dist.broadcast_object_list([msg], src=0, group=self.pg)
         self.comm_s += time.perf_counter() - t

@@ -65,8 +65,11 @@ def _mixed(eng, prompts, max_tokens: int) -> dict:
             if d.token_ids and k not in first:
                 first[k] = time.perf_counter() - keys[k]
     wall = time.perf_counter() - t0
+    b = eng.batcher
     return {"seconds": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "peak_running": peak,
-            "preemptions": eng.batcher.preemptions, "ttft_p50_s": statistics.median(first.values())}
+            "preemptions": b.preemptions, "ttft_p50_s": statistics.median(first.values()),
+            "prefill_share": b.prefill_s / wall, "verify_share": b.verify_s / wall,
+            "decode_passes": b.target_passes, "rows_per_decode_pass": b.rows_verified / max(b.target_passes, 1)}
 
 
 def mixed_prompts(tok, n: int, seed: int = 0, lo: int = 100, hi: int = 4000) -> list[list[int]]:
@@ -161,7 +164,9 @@ def render(rep: dict) -> str:
     for n in ("slotted", "paged"):
         r = m[n]
         lines.append(f"  {n:8s} {m['slots'][n]:3d} slots: {r['tokens_per_s']:.1f} tok/s, {r['seconds']:.1f} s, peak "
-                     f"{r['peak_running']} running, {r['preemptions']} preemptions, TTFT p50 {r['ttft_p50_s']:.2f} s")
+                     f"{r['peak_running']} running, {r['preemptions']} preemptions, TTFT p50 {r['ttft_p50_s']:.2f} s; "
+                     f"prefill {r['prefill_share']:.0%} of the time, decode passes {r['verify_share']:.0%} "
+                     f"({r['decode_passes']} of {r['rows_per_decode_pass']:.1f} rows on average)")
     lines.append(f"  paged ÷ slotted: peak running {m['peak_ratio']:.2f}×, throughput {m['throughput_ratio']:.2f}×")
     lines += ["", "prefix-cache TTFT, agent turns >= 1,000 prompt tokens: " + ", ".join(
         f"{n} {v * 1e3:.0f} ms" for n, v in p.items() if n != "paged_over_slotted" and v is not None)

@@ -71,9 +71,9 @@ KINDS = [("none", 0, None), ("ngram", 3, None), ("truncated:2", 3, None), ("trun
 
 def requests() -> list[Request]:
     """Every prompt with speculation off, n-gram, a chain and a tree of the self-draft; one seeded sampled."""
-    reqs = [Request(f"{p}/{d}/{g}/{t}", PROMPTS[p], SamplingParams(max_tokens=20), SpeculationParams(draft=d, gamma=g, tree=t))
+    reqs = [Request(f"{p}/{d}/{g}/{t}", PROMPTS[p], SamplingParams(max_tokens=12), SpeculationParams(draft=d, gamma=g, tree=t))
             for p in range(len(PROMPTS)) for d, g, t in KINDS]
-    return reqs + [Request("sampled", PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.0, seed=7),
+    return reqs + [Request("sampled", PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=7),
                            SpeculationParams(draft="truncated:2", gamma=3))]
 
 

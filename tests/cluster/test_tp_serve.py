@@ -28,7 +28,7 @@ def client(start_cluster, tmp_path_factory):
     save_tiny_qwen3(model)
     cfg = ClusterConfig.model_validate({
         "model": str(model), "dtype": "fp32", "weights": "dense", "max_len": 512, "grpc_port": 0, "http_port": 0,
-        "router": {"max_tokens": 200, "default_max_tokens": 16, "default_draft": "ngram"},
+        "router": {"max_tokens": 120, "default_max_tokens": 16, "default_draft": "ngram"},
         "verifier": {"max_batch": 4, "tensor_parallel_size": 2, "resources": {"custom": {"large_accel": 1}}},
         "drafts": [{"name": "ngram", "spec": "ngram"}]})
     return start_cluster(cfg, timeout=180, client_timeout=300)[1]
@@ -50,12 +50,12 @@ def test_a_tensor_parallel_verifier_serves_grpc_and_http(client):
 
 
 def test_a_rank_killed_mid_stream_loses_no_token(client):
-    want = client.generate(prompt=PROMPT, max_tokens=200, draft="none").token_ids
+    want = client.generate(prompt=PROMPT, max_tokens=120, draft="none").token_ids
     before = client.stats().failovers_total
     got, first = [], threading.Event()
 
     def stream():
-        for chunk in client.stream(prompt=PROMPT, max_tokens=200, draft="none"):
+        for chunk in client.stream(prompt=PROMPT, max_tokens=120, draft="none"):
             got.extend(chunk.token_ids)
             first.set()
 
