@@ -18,6 +18,7 @@ from actors.schema import Request, SamplingParams, SpeculationParams
 from actors.text import encode_prompt
 
 from ..data import load_prompts, mixed
+from .records import write_report
 
 CONFIGS = {  # label -> SpeculationParams fields (draft None: the engine's draft of that name)
     "ngram γ4": dict(draft="ngram", gamma=4, tree=0),
@@ -94,8 +95,6 @@ def cost(engine, tokenizer, batches=(1, 8), max_tokens: int = 64, rounds: int = 
 
 
 def main(args) -> int:
-    import json
-    from pathlib import Path
 
     from actors.build import build_engine, draft_meta
 
@@ -122,14 +121,7 @@ def main(args) -> int:
               f"{v['cost']:+.1%}" for k, v in costs.items() if isinstance(v, dict)]
     text = "\n".join(lines)
     print(text)
-    out = Path(args.json_path or "out/bench_exact.json")
-    if out.name == "bench.json":
-        out = out.with_name("bench_exact.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    out.with_suffix(".txt").write_text(text + "\n")
-    _plot(report, out.with_suffix(".png"))
-    print(f"wrote {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')}")
+    write_report(report, text, _plot, args.json_path, "bench_exact")
     return 0
 
 

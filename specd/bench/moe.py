@@ -16,7 +16,6 @@ not assumed). Writes out/bench_moe.{json,txt,png}.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 
 from actors.schema import Request, SamplingParams, SpeculationParams
+
+from .records import write_report
 
 SHAPE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -161,14 +162,7 @@ def main(args) -> int:
                                for n, b in built.items()}}
     text = render(report)
     print(text)
-    out = Path(args.json_path or "out/bench_moe.json")
-    if out.name == "bench.json":
-        out = out.with_name("bench_moe.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    out.with_suffix(".txt").write_text(text + "\n")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')}")
+    write_report(report, text, plot, args.json_path, "bench_moe")
     return 0
 
 

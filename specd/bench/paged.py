@@ -18,7 +18,6 @@ Writes out/bench_paged.{json,txt,png}.
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -27,6 +26,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from .records import write_report
 
 MIXED_SLOTS, MIXED_LEN, MIXED_SCALE = 8, 4096, 8  # the slotted cache's shape; the paged cache's slot factor
 
@@ -201,12 +202,5 @@ def main(args) -> int:
     rep = paged_bench(rounds=rounds, max_tokens=args.max_tokens or 64, limit=args.limit or 8, dtype=args.dtype)
     text = render(rep)
     print(text)
-    out = Path(args.json_path or "out/bench_paged.json")
-    if out.name == "bench.json":
-        out = out.with_name("bench_paged.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rep, indent=2, default=str))
-    out.with_suffix(".txt").write_text(text + "\n")
-    plot(rep, out.with_suffix(".png"))
-    print(f"wrote {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')}")
+    write_report(rep, text, plot, args.json_path, "bench_paged")
     return 0

@@ -90,3 +90,19 @@ def match_ray_niceness(address: str) -> int:
 
 def verifier_stats(handle) -> dict:
     return handle.stats.remote().result(timeout_s=60)
+
+
+def write_report(report: dict, text: str, plot, json_path: str | None, name: str) -> None:
+    """A bench's report as JSON, its table as text beside it, and its PNG (plot(report, path)): at
+    --json, or out/<name>.json (a bare `bench.json` default, shared by every bench, takes the name)."""
+    import json
+    from pathlib import Path
+
+    out = Path(json_path or f"out/{name}.json")
+    if out.name == "bench.json":
+        out = out.with_name(f"{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    out.with_suffix(".txt").write_text(text + "\n")
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')}")

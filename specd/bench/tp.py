@@ -12,12 +12,13 @@ out/bench_tp.{json,txt,png}.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from .records import write_report
 
 CONTEXT, PASSES, BATCHES = 200, 20, (1, 8)
 
@@ -130,12 +131,5 @@ def main(args) -> int:
     rep = tp_bench(world=args.tp, rounds=args.rounds or 3)
     text = render(rep)
     print(text)
-    out = Path(args.json_path or "out/bench_tp.json")
-    if out.name == "bench.json":
-        out = out.with_name("bench_tp.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rep, indent=2, default=str))
-    out.with_suffix(".txt").write_text(text + "\n")
-    plot(rep, out.with_suffix(".png"))
-    print(f"wrote {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')}")
+    write_report(rep, text, plot, args.json_path, "bench_tp")
     return 0

@@ -1,5 +1,6 @@
 """The cluster benchmark's statistics on hand-made records (no cluster: see
 tests/cluster/test_pipeline_cluster.py for the benchmark against a real one)."""
+import json
 import os
 
 import pytest
@@ -20,3 +21,15 @@ def test_summary_statistics_on_known_records():
     assert s["acceptance_rate"] == 0.25 and s["mean_accepted_length"] == 2.0
     assert s["acceptance_per_position"] == [0.5, 0.5]
     assert match_ray_niceness("10.1.2.3:9000") == os.nice(0)  # a remote cluster: nothing to match
+
+
+def test_a_bench_report_is_written_as_json_table_and_png(tmp_path):
+    """Every bench's three outputs, from one writer: a `bench.json` default takes the bench's name."""
+    from specd.bench.records import write_report
+
+    def plot(report, path):
+        path.write_bytes(b"png")
+
+    write_report({"x": 1}, "table", plot, str(tmp_path / "bench.json"), "bench_paged")
+    assert json.loads((tmp_path / "bench_paged.json").read_text()) == {"x": 1}
+    assert (tmp_path / "bench_paged.txt").read_text() == "table\n" and (tmp_path / "bench_paged.png").exists()
