@@ -353,12 +353,14 @@ class LlamaRunner:
         # every layer in one call, exact or not (the attention kernel is the faster path there too)
         stacked = fused and cpu.available("attn-kernel") and cache.k.dtype == torch.float32
         one_block = end <= bs  # every row's keys in its first block (always so in the slotted cache)
-        if one_block:
-            firsts = [cache.tables[s][0] for s in slots]
-            rows = slice(firsts[0], firsts[0] + B) if firsts == list(range(firsts[0], firsts[0] + B)) else table[:, 0]
-        elif not self.exact and not stacked:
-            at = torch.arange(end, device=dev)
-            keys_at = table[:, at // bs] * bs + at % bs  # [B, end]: flat index of each row's key positions
+        if not self.exact and not stacked:  # where the per-op attention reads each row's keys
+            if one_block:
+                firsts = [cache.tables[s][0] for s in slots]
+                rows = slice(firsts[0], firsts[0] + B) if firsts == list(range(firsts[0], firsts[0] + B)) \
+                    else table[:, 0]
+            else:
+                at = torch.arange(end, device=dev)
+                keys_at = table[:, at // bs] * bs + at % bs  # [B, end]: flat index of each row's key positions
         if stacked:
             cos, sin = (t[:, :, 0].float().contiguous() for t in ropes[0])
             taps = self._run_layers(x, cos, sin, cache, table, positions, masks[None], end, features)
