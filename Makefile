@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.specd-installed
 # the torch pin (constraints.txt), read by every pip install here
 PIN     := -c constraints.txt
 
-.PHONY: setup demo demo-local test test-fallbacks bench bench-peer llama-cpp bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz
+.PHONY: setup demo demo-local test test-fallbacks bench bench-peer llama-cpp bench-cluster bench-beams lab tune quant soak gpu-check protos clean k8s-check fuzz docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -97,6 +97,11 @@ DEVICE ?= cuda
 GPU_PY ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
 gpu-check:
 	$(GPU_PY) -m specd.gpu_check --device $(DEVICE) --out out
+
+# the guide in docs/ as a site (MkDocs Material, strict: a broken link or a page outside the nav fails) in out/site
+docs: $(STAMP)
+	$(BIN)/python -m pip install -q $(PIN) 'mkdocs-material>=9.5'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 protos: $(STAMP)
 	$(BIN)/python protos/regen.py
