@@ -100,7 +100,6 @@ gpu-check:
 
 # the guide in docs/ as a site (MkDocs Material, strict: a broken link or a page outside the nav fails) in out/site
 docs: $(STAMP)
-	$(BIN)/python -m pip install -q $(PIN) 'mkdocs-material>=9.5'
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 protos: $(STAMP)
