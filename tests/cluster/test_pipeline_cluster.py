@@ -247,8 +247,10 @@ def test_bench_served_profile(cluster, tmp_path):
         assert 0 < loop["engine verify_s"] <= loop["step_s"] * 1.001
         assert p["deltas_per_step"] >= 1  # at least one stream message per step that ran a request
         cpu = p["cpu_ms_per_token"]
-        assert cpu["verifier: batcher thread"] > 0 and cpu["verifier: other threads"] > 0
+        assert cpu["verifier: batcher thread"] > 0 and cpu["verifier: other threads"] >= 0
         assert cpu["router"] > 0 and "Serve proxy" in cpu
+    # /proc counts CPU in 10 ms ticks: one short window's other threads may stay under a tick, the run's do not
+    assert sum(prof[k]["cpu_ms_per_token"]["verifier: other threads"] for k in ("c1 spec", "c1 off", "c2 spec", "c2 off")) > 0
     assert prof["in-process c1 off"]["steps"] > 0 and prof["in-process c1 off"]["loop_ms_per_step"]["engine verify_s"] > 0
     text = served.render(prof)
     assert "verifier: batcher thread" in text and "ms per engine step" in text
