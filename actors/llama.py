@@ -336,7 +336,6 @@ class LlamaRunner:
         positions = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]: where the KV goes
         table = cache.table(slots, dev)  # [B, P]: each row's blocks
         bs = cache.block_size
-        written = table.gather(1, positions // bs) * bs + positions % bs  # [B, T]: flat index of each new position
         rope_pos = positions if tree is None else start_t[:, None] + tree.depth  # [B, T]
         masks = self._masks(starts, start_t, positions, rope_pos, end, tree)  # window -> (mask, first key)
 
@@ -353,6 +352,8 @@ class LlamaRunner:
         # every layer in one call, exact or not (the attention kernel is the faster path there too)
         stacked = fused and cpu.available("attn-kernel") and cache.k.dtype == torch.float32
         one_block = end <= bs  # every row's keys in its first block (always so in the slotted cache)
+        if not stacked:  # the per-layer path writes the KV itself (the stacked call writes it in the kernel)
+            written = table.gather(1, positions // bs) * bs + positions % bs  # [B, T]: flat index of each new position
         if not self.exact and not stacked:  # where the per-op attention reads each row's keys
             if one_block:
                 firsts = [cache.tables[s][0] for s in slots]
